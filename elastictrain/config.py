@@ -1,0 +1,228 @@
+"""The typed config tree, YAML loading, ``key.sub=value`` overrides and one-line error messages.
+
+Validation is pydantic's; this module only turns its errors into the sentence a user needs:
+the key path, what was given, what is expected and, for a misspelt key, the closest valid one.
+``conf/default.yaml`` mirrors these defaults one to one (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+
+from .errors import ConfigError
+
+DEFAULT_TASK_FACTORY = "elastictrain.tasks.spirals:build"
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (a misspelt key must never be silently ignored).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = "default"  # names the run directory runs/<name> when `dir` is not set
+    dir: str | None = None  # run directory; default runs/<name> under the working directory
+    seed: int = 0  # seeds model init (same on all ranks) and per-rank RNG streams (seed + rank)
+
+
+class TaskConfig(_Section):
+    factory: str  # import path 'pkg.module:function' returning an elastictrain.Task
+    args: dict[str, Any] = Field(default_factory=dict)  # keyword arguments for the factory
+
+
+class TrainConfig(_Section):
+    max_epochs: PositiveInt = 8
+    max_steps: PositiveInt | None = None  # stop earlier, after this many optimizer steps
+    batch_size: PositiveInt = 32  # per rank; the global batch is batch_size * world_size * grad_accum_steps
+    grad_accum_steps: PositiveInt = 1  # micro-batches per optimizer step (all but the last under DDP no_sync)
+    clip_grad_norm: PositiveFloat | None = None
+    lr_scheduler_interval: Literal["step", "epoch"] = "step"
+    eval_every_epochs: NonNegativeInt = 1  # 0: evaluate only at the end
+    log_every_steps: PositiveInt = 25  # also how often losses are reduced across ranks
+    autocast_dtype: Literal["none", "bfloat16", "float16"] = "none"
+
+
+class DataConfig(_Section):
+    shuffle: bool = True  # a fresh permutation per epoch from (run.seed, epoch)
+    val_batch_size: PositiveInt = 256  # per rank
+    num_workers: NonNegativeInt = 0  # DataLoader worker processes
+
+
+class SnapshotConfig(_Section):
+    url: str | None = None  # any fsspec URL; default <run dir>/snapshots
+    every_steps: NonNegativeInt = 100  # 0: off
+    every_seconds: NonNegativeFloat = 0.0  # 0: off; checked at log_every_steps boundaries
+    keep_last: PositiveInt = 3
+    on_done: bool = True  # write a final snapshot when training finishes
+    resume: bool = True  # restore the newest valid snapshot at start
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to fsspec
+
+
+class DistConfig(_Section):
+    distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: cuda:LOCAL_RANK if available)
+    find_unused_parameters: bool | None = None  # None: DDP_FIND_UNUSED_PARAMETERS or false
+    sync_batchnorm: bool = False
+    init_timeout_s: PositiveFloat = 60.0  # store connection and process-group set-up
+    collective_timeout_s: PositiveFloat = 300.0  # any single collective
+
+
+class LogConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    progress_bar: Union[bool, Literal["auto"]] = "auto"  # auto: only when stderr is a terminal
+    all_ranks: bool = False  # by default ranks other than 0 log warnings and errors only
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    task: TaskConfig = Field(default_factory=lambda: TaskConfig(factory=DEFAULT_TASK_FACTORY))
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or os.path.join("runs", self.run.name)
+
+    @property
+    def snapshot_url(self) -> str:
+        return self.snapshot.url or os.path.join(self.run_dir, "snapshots")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: list[str] = ()) -> Config:
+    """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
+    if isinstance(source, Config):
+        raw, name = source.to_dict(), "config"
+    elif isinstance(source, dict):
+        raw, name = copy.deepcopy(source), "config dict"
+    elif source is None:
+        raw, name = {}, "defaults"
+    else:
+        raw, name = _read_yaml(Path(source)), str(source)
+    # A config that names no task runs the built-in one; one that has a task section must name
+    # its factory (its args mean nothing without it).
+    raw.setdefault("task", {"factory": DEFAULT_TASK_FACTORY, "args": {}})
+    for override in overrides:
+        _apply_override(raw, override)
+    return config_from_dict(raw, f"{name} + overrides" if overrides else name)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        # A value checked against a union (bool | 'auto') fails once per member: one message per key.
+        messages = dict.fromkeys(_describe(e) for e in exc.errors())
+        raise ConfigError(f"invalid config ({source}): " + "; ".join(messages)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (run:, train:, ...), not {type(data).__name__}")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not of the form key.sub=value (e.g. train.batch_size=64)")
+    parts = key.split(".")
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+
+
+def _describe(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    loc = [str(p) for p in error["loc"]]
+    path = loc if kind == "extra_forbidden" else _key_path(loc)
+    key = ".".join(path)
+    if len(path) < len(loc):  # the loc went on into union members: name the key, not the member
+        return f"'{key}' = {error.get('input')!r} is invalid ({_expected_type(path)})"
+    if kind == "extra_forbidden":
+        valid = _fields_at(path[:-1])
+        close = difflib.get_close_matches(path[-1], valid, n=1)
+        hint = f"did you mean '{'.'.join(path[:-1] + close)}'?" if close else f"valid keys here: {', '.join(valid)}"
+        return f"unknown key '{key}' ({hint})"
+    expected = _expected_type(path)
+    if kind == "missing":
+        return f"'{key}' is required ({expected}) but missing"
+    return f"'{key}' = {error.get('input')!r} is invalid: {error['msg']} ({expected})"
+
+
+def _key_path(loc: list[str]) -> list[str]:
+    """The part of a pydantic error location that names config keys (not union members)."""
+    path: list[str] = []
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            break
+        path.append(part)
+        model = _model_at(path)
+    return path
+
+
+def _model_at(path: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in path:
+        field = model.model_fields.get(part) if model else None
+        annotation = field.annotation if field else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return model
+
+
+def _fields_at(path: list[str]) -> list[str]:
+    model = _model_at(path)
+    return list(model.model_fields) if model else []
+
+
+def _expected_type(path: list[str]) -> str:
+    model = _model_at(path[:-1])
+    field = model.model_fields.get(path[-1]) if model else None
+    if field is None:
+        return "see conf/default.yaml"
+    text = _type_name(field.annotation)
+    for constraint in field.metadata:
+        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(constraint, attr, None) is not None:
+                text += f" {symbol} {getattr(constraint, attr)}"
+    return f"expected {text}"
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    return getattr(annotation, "__name__", str(annotation))

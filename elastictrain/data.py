@@ -1,0 +1,116 @@
+"""Resumable sharded sampling, counted in global samples so a position survives a new world size.
+
+An epoch is one permutation of the dataset, fixed by (seed, epoch). It is cut into optimizer
+steps of ``batch_size * world_size * grad_accum_steps`` consecutive samples (a last, incomplete
+step is dropped); inside a step, micro-batch ``m`` is the next ``batch_size * world_size``
+samples and rank ``r`` takes its ``r``-th slice. The position inside an epoch is the number of
+global samples already consumed, so resuming at any step boundary — with the same or another
+world size — continues the same sequence with nothing skipped and nothing repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world_size: int
+    batch_size: int  # per rank, per micro-batch
+    grad_accum_steps: int = 1
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.samples_per_micro_batch * self.grad_accum_steps
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The global order of sample indices for one epoch; identical on every rank and every restart."""
+    if not shuffle:
+        return list(range(num_samples))
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def steps_in_epoch(num_samples: int, shard: Shard, offset: int = 0) -> int:
+    """Whole optimizer steps left in an epoch from a global sample offset."""
+    return max(num_samples - offset, 0) // shard.samples_per_step
+
+
+class ShardedBatchSampler:
+    """This rank's micro-batches for one epoch from ``offset`` global samples on (a DataLoader batch_sampler)."""
+
+    def __init__(self, num_samples: int, shard: Shard, seed: int, epoch: int, offset: int, shuffle: bool) -> None:
+        self.order = epoch_order(num_samples, seed, epoch, shuffle)
+        self.shard = shard
+        self.offset = offset
+        self.steps = steps_in_epoch(num_samples, shard, offset)
+
+    def __len__(self) -> int:
+        return self.steps * self.shard.grad_accum_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        micro = self.shard.samples_per_micro_batch
+        first = self.shard.rank * self.shard.batch_size
+        for start in range(self.offset, self.offset + len(self) * micro, micro):
+            yield self.order[start + first : start + first + self.shard.batch_size]
+
+
+class EvalBatchSampler:
+    """Every sample exactly once over all ranks (rank r takes r, r+W, ...); shards may be uneven."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, batch_size: int) -> None:
+        self.indices = list(range(rank, num_samples, world_size))
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, len(self.indices), self.batch_size):
+            yield self.indices[start : start + self.batch_size]
+
+
+def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: int, collate_fn: Any = None) -> DataLoader:
+    # A DataLoader iterator draws its worker base seed from the *global* torch RNG unless it has
+    # a generator of its own; a resumed run creates its iterator at another point of that stream,
+    # so without this the dropout masks after a restore would differ from an unbroken run.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        generator=generator,
+        persistent_workers=False,
+    )
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches must hold tensors")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch

@@ -1,0 +1,260 @@
+"""Where this worker runs: launch environment, process group, device, DDP wrapping, collectives.
+
+Rank and world size are decided here once; nothing else reads RANK or SLURM_* variables.
+
+Why the process group is built on our own store: under ``torchrun --rdzv-backend=c10d`` the
+agent hosts one TCPStore for its whole life and hands every restarted attempt the same
+MASTER_ADDR:MASTER_PORT (``TORCHELASTIC_USE_AGENT_STORE=True``). ``init_process_group("env://")``
+connects to it and keys the default group as ``default_pg/0/...`` — the same keys in every
+attempt (torch's comment "we create a new TCPStore for every retry" no longer holds since the
+store is shared). A restarted gloo rank then reads the dead attempt's addresses from the store
+and fails in ``connectFullMesh`` with "Connection refused", or waits in the ProcessGroupGloo
+constructor for peers that will never come. Prefixing the store with the run id, the restart
+count and the world size gives every attempt keys of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import DistConfig
+from .errors import DistributedSetupError
+
+log = logging.getLogger("elastictrain")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process, read once from the environment."""
+
+    launcher: str  # "torchrun", "slurm", "env" (RANK/WORLD_SIZE set by hand) or "none"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0
+    run_id: str = "local"
+    uses_agent_store: bool = False
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """torchrun variables win over SLURM ones (torchrun inside srun); plain RANK/WORLD_SIZE last."""
+    env = os.environ if environ is None else environ
+    try:
+        if "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env:
+            return LaunchEnv(
+                launcher="torchrun",
+                rank=int(env["RANK"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+                uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            )
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            job_id = env.get("SLURM_JOB_ID", "0")
+            return LaunchEnv(
+                launcher="slurm",
+                rank=int(env["SLURM_PROCID"]),
+                local_rank=int(env.get("SLURM_LOCALID", "0")),
+                world_size=int(env["SLURM_NTASKS"]),
+                master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+                # A port derived from the job id lets two jobs share a head node without clashing.
+                master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
+                restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
+                run_id=f"slurm-{job_id}",
+            )
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return LaunchEnv(
+                launcher="env",
+                rank=int(env["RANK"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                world_size=int(env["WORLD_SIZE"]),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", "29500")),
+            )
+    except (KeyError, ValueError) as exc:
+        raise DistributedSetupError(
+            f"incomplete launch environment: {type(exc).__name__} {exc}; launch with torchrun or srun, "
+            "or set dist.distributed=false to train in this one process"
+        ) from None
+    return LaunchEnv(launcher="none")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return nodelist
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The decided set-up of this worker: pass it around instead of re-reading the environment."""
+
+    env: LaunchEnv
+    distributed: bool
+    device: torch.device
+    backend: str | None
+    collective_timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size if self.distributed else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistContext:
+    """Decide distributed or not, the device and backend, and initialise the process group."""
+    env = detect_launch_env(environ)
+    if cfg.distributed == "auto":
+        distributed = env.world_size > 1
+    elif cfg.distributed and env.launcher == "none":
+        raise DistributedSetupError(
+            "dist.distributed=true but no torchrun, SLURM or RANK/WORLD_SIZE variables are set; "
+            "launch with torchrun/srun or use dist.distributed=auto"
+        )
+    else:
+        distributed = bool(cfg.distributed)
+    device = _choose_device(cfg.device, env.local_rank)
+    backend = None
+    if distributed:
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and device.type != "cuda":
+            raise DistributedSetupError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
+        _init_process_group(env, backend, device, cfg)
+    return DistContext(env, distributed, device, backend, cfg.collective_timeout_s)
+
+
+def _choose_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        choice = f"cuda:{local_rank}"
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise DistributedSetupError(f"dist.device={choice!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DistributedSetupError(f"dist.device={choice!r} but CUDA is not available here; use dist.device=cpu")
+        torch.cuda.set_device(device)
+    return device
+
+
+def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg: DistConfig) -> None:
+    store_timeout = timedelta(seconds=cfg.init_timeout_s)
+    try:
+        if env.uses_agent_store:
+            base = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=store_timeout)
+        else:
+            base = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=env.rank == 0,
+                timeout=store_timeout,
+                multi_tenant=True,
+            )
+    except (RuntimeError, OSError) as exc:
+        raise DistributedSetupError(
+            f"rank {env.rank} cannot reach the rendezvous store at {env.master_addr}:{env.master_port} "
+            f"within {cfg.init_timeout_s:g}s ({' '.join(str(exc).split())[:200]}); check MASTER_ADDR/MASTER_PORT "
+            "and that the port is free and reachable"
+        ) from None
+    # See the module docstring: keys of their own for every attempt.
+    prefix = f"elastictrain/{env.run_id}/restart-{env.restart_count}/world-{env.world_size}/"
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, base),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=cfg.collective_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    log.info(
+        "process group %s up: rank %d of %d, restart %d, launcher %s",
+        backend, env.rank, env.world_size, env.restart_count, env.launcher,
+    )
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:
+    """Move to the device; under DDP convert BatchNorm if asked and wrap."""
+    model.to(ctx.device)
+    if not ctx.distributed:
+        return model
+    if cfg.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    find_unused = cfg.find_unused_parameters
+    if find_unused is None:
+        env = os.environ if environ is None else environ
+        find_unused = env.get("DDP_FIND_UNUSED_PARAMETERS", "false").lower() in ("1", "true", "yes")
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def no_sync(model: nn.Module, skip_sync: bool) -> Any:
+    """DDP's no_sync() for all micro-batches but the last of an accumulated step."""
+    if skip_sync and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return nullcontext()
+
+
+def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum a small float64 tensor over ranks (on the collective's device) and return it on the CPU."""
+    if not ctx.distributed:
+        return values
+    on_device = values.to(ctx.device)
+    dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+    return on_device.cpu()
+
+
+def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
+    if not ctx.distributed:
+        return [obj]
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not ctx.distributed:
+        return obj
+    holder = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(holder, src=0, device=ctx.device if ctx.backend == "nccl" else None)
+    return holder[0]

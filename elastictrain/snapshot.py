@@ -1,0 +1,181 @@
+"""What a snapshot holds, and turning it into bytes and back without ever running code from a file.
+
+A snapshot is the dict of every Stateful's ``state_dict()`` (model, optimizer, LR scheduler,
+grad scaler, progress, history), each rank's RNG states, the config and a format version. It is
+stored as two payload objects: ``model.pt`` (the unwrapped model's weights alone, so weights can
+be taken without the rest) and ``state.pt`` (everything else). Both are read back with
+``torch.load(weights_only=True)``, which refuses any pickle that would construct arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import random
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import SnapshotError
+
+FORMAT_VERSION = 1
+MODEL_OBJECT = "model.pt"
+STATE_OBJECT = "state.pt"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Where training is. ``epoch_offset`` counts global samples, so it re-shards over any world size."""
+
+    global_step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epochs completed (the current epoch's index)
+    epoch_offset: int = 0  # global samples consumed in the current epoch
+    samples_seen: int = 0  # global samples consumed in all epochs
+    last_evaluated_step: int = -1
+    last_snapshot_step: int = -1
+
+    def advance(self, samples: int) -> None:
+        self.global_step += 1
+        self.epoch_offset += samples
+        self.samples_seen += samples
+
+    def end_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_offset = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for f in fields(self):
+            setattr(self, f.name, int(state_dict[f.name]))
+
+
+@dataclass
+class History:
+    """Reduced metrics over time: one record per log interval or evaluation, identical on every rank."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def append(self, **record: Any) -> None:
+        self.records.append(record)
+
+    def last(self, key: str) -> Any:
+        for record in reversed(self.records):
+            if key in record:
+                return record[key]
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": [dict(r) for r in self.records]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.records = [dict(r) for r in state_dict["records"]]
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states (python, numpy, torch CPU, and CUDA when used) in loadable types."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def seed_rng(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def writer_for(obj: Any) -> Callable[[BinaryIO], None]:
+    """A storage writer that streams ``obj`` through torch.save into the file it is given."""
+
+    def write(fileobj: BinaryIO) -> None:
+        torch.save(obj, fileobj)
+
+    return write
+
+
+def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu") -> Any:
+    """Unpickle a payload with ``weights_only=True``: tensors and plain containers only, never code."""
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        # torch's message is a page long; its one informative line names the refused global.
+        reason = next((line for line in lines if "Unsupported global" in line or "WeightsUnpickler" in line), lines[0])
+        raise SnapshotError(
+            f"{where} cannot be loaded safely ({reason}); it is not an elastictrain snapshot "
+            "or holds objects other than tensors and plain containers — nothing was executed"
+        ) from None
+
+
+def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Load weights strictly; a different model is one clear error naming the differences."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    reshaped = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(weights))
+        if weights[k].shape != own[k].shape
+    ]
+    if missing or unexpected or reshaped:
+        parts = [
+            f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape (snapshot vs model)", reshaped))
+            if items
+        ]
+        raise SnapshotError(
+            f"{where} was saved from a different model ({'; '.join(parts)}); point snapshot.url at this "
+            "model's snapshots or set snapshot.resume=false to start fresh"
+        )
+    model.load_state_dict(weights)
+
+
+def params_sha256(model: nn.Module) -> str:
+    """A fingerprint of a model: sha256 over every state entry's name, dtype, shape and bytes, sorted by name."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,1 @@
+"""Built-in tasks: small, deterministic, downloaded from nowhere."""

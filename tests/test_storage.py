@@ -1,0 +1,360 @@
+"""SnapshotStore: only committed, verified snapshots exist for readers.
+
+Torn and corrupt snapshots are skipped with a warning and never deleted by readers; every test
+runs against a local directory and a fresh memory:// root.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+
+import fsspec
+import pytest
+
+from elastictrain.errors import SnapshotError, StorageError
+from elastictrain.storage import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    Manifest,
+    ObjectEntry,
+    SnapshotStore,
+    snapshot_id_for_step,
+)
+
+BIG_CHUNK = bytes(range(256)) * 4096  # 1 MiB
+BIG_OBJECT = b"".join(BIG_CHUNK[i:] + BIG_CHUNK[:i] for i in range(5))  # 5 MiB, not periodic
+
+
+FORMAT = "elastictrain-snapshot"
+
+
+def write_bytes(data):
+    return lambda handle: handle.write(data)
+
+
+def write_in_chunks(data, chunk_size=64 * 1024):
+    def writer(handle):
+        for start in range(0, len(data), chunk_size):
+            handle.write(data[start : start + chunk_size])
+
+    return writer
+
+
+@pytest.fixture(params=["local", "memory"])
+def url(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "snapshots")
+        return
+    root = f"memory://test-storage-{uuid.uuid4().hex}/run"
+    yield root
+    fs, path = fsspec.core.url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.fixture
+def store(url):
+    return SnapshotStore(url)
+
+
+def commit_small(store, step, text=None):
+    payload = (text or f"model at step {step}").encode()
+    return store.commit(step, {"model": write_bytes(payload)}, meta={"epoch": step // 10})
+
+
+def object_path(store, step, name):
+    return f"{store.root}/{snapshot_id_for_step(step)}/{name}"
+
+
+def make_torn(store, step):
+    """A prefix with payload but no manifest, as a kill between payload and manifest leaves it."""
+    store.fs.makedirs(f"{store.root}/{snapshot_id_for_step(step)}", exist_ok=True)
+    store.fs.pipe_file(object_path(store, step, "model"), b"half-written")
+
+
+def warning_messages(caplog):
+    return [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+
+
+def test_snapshot_ids_sort_like_steps():
+    steps = [0, 9, 10, 100, 99999, 123456789012]
+    ids = [snapshot_id_for_step(step) for step in steps]
+    assert ids[1] == "step-000000000009"
+    assert sorted(ids) == ids
+
+
+def test_manifest_round_trips_and_declares_format():
+    manifest = Manifest(
+        snapshot_id="step-000000000007",
+        step=7,
+        created_unix=1234.5,
+        objects={"model": ObjectEntry(size=3, sha256="ab" * 32)},
+        meta={"epoch": 2, "world_size": 4},
+    )
+    document = json.loads(manifest.to_json())
+    assert document["manifest_version"] == MANIFEST_VERSION
+    assert document["format"] == "elastictrain-snapshot"
+    assert Manifest.from_json(manifest.to_json(), "here") == manifest
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b'{"format": "other"}', "not an elastictrain-snapshot manifest"),
+        (b'{"format": "elastictrain-snapshot", "manifest_version": 1}', "lacks a field"),
+        (
+            json.dumps({"format": FORMAT, "manifest_version": MANIFEST_VERSION + 1}).encode(),
+            "has manifest_version 2, this elastictrain reads up to 1; upgrade elastictrain",
+        ),
+    ],
+)
+def test_manifest_from_json_rejects_bad_input_naming_where(data, fragment):
+    with pytest.raises(SnapshotError, match=fragment) as raised:
+        Manifest.from_json(data, "s3://bkt/run/step-000000000001/manifest.json")
+    assert "s3://bkt/run/step-000000000001/manifest.json" in str(raised.value)
+
+
+def test_commit_then_read_returns_exact_bytes_and_hashes(store):
+    small = b"optimizer state \x00\x01\x02"
+    manifest = store.commit(
+        40,
+        {"model": write_in_chunks(BIG_OBJECT), "optim": write_bytes(small)},
+        meta={"epoch": 3, "world_size": 2},
+    )
+    assert manifest.snapshot_id == "step-000000000040"
+    assert manifest.objects == {
+        "model": ObjectEntry(len(BIG_OBJECT), hashlib.sha256(BIG_OBJECT).hexdigest()),
+        "optim": ObjectEntry(len(small), hashlib.sha256(small).hexdigest()),
+    }
+
+    [listing] = store.list_snapshots()
+    assert (listing.snapshot_id, listing.step, listing.problem) == ("step-000000000040", 40, None)
+    assert listing.manifest == manifest
+
+    read_manifest, payload = store.read_verified("step-000000000040")
+    assert read_manifest == manifest
+    assert read_manifest.meta == {"epoch": 3, "world_size": 2}
+    assert payload == {"model": BIG_OBJECT, "optim": small}
+
+
+def test_writer_sees_position_and_no_seeking(store):
+    seen = {}
+
+    def writer(handle):
+        seen["writable"], seen["seekable"] = handle.writable(), handle.seekable()
+        handle.write(b"abc")
+        handle.write(bytearray(b"de"))
+        handle.flush()
+        seen["tell"] = handle.tell()
+
+    manifest = store.commit(1, {"model": writer}, meta={})
+    assert seen == {"writable": True, "seekable": False, "tell": 5}
+    assert manifest.objects["model"] == ObjectEntry(5, hashlib.sha256(b"abcde").hexdigest())
+
+
+def test_torn_snapshot_is_listed_with_problem_and_skipped(store, caplog):
+    commit_small(store, 10)
+    make_torn(store, 20)
+
+    listings = store.list_snapshots()
+    assert [(item.snapshot_id, item.problem) for item in listings] == [
+        ("step-000000000010", None),
+        ("step-000000000020", "no manifest (torn or in-progress write)"),
+    ]
+    assert listings[1].manifest is None
+
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+        manifest, payload = store.latest_valid()
+    assert manifest.step == 10
+    assert payload == {"model": b"model at step 10"}
+    warnings = warning_messages(caplog)
+    assert len(warnings) == 1
+    assert "step-000000000020" in warnings[0] and "no manifest" in warnings[0]
+
+
+def flip_one_byte(store, step):
+    path = object_path(store, step, "model")
+    data = bytearray(store.fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01
+    store.fs.pipe_file(path, bytes(data))
+
+
+def truncate(store, step):
+    path = object_path(store, step, "model")
+    store.fs.pipe_file(path, store.fs.cat_file(path)[:-1])
+
+
+def delete_object(store, step):
+    store.fs.rm(object_path(store, step, "model"))
+
+
+def garble_manifest(store, step):
+    store.fs.pipe_file(object_path(store, step, MANIFEST_NAME), b'{"format": "elastictrain-sn')
+
+
+@pytest.mark.parametrize(
+    "corrupt, fragment",
+    [
+        (flip_one_byte, "object 'model' sha256 mismatch"),
+        (truncate, "object 'model' size mismatch"),
+        (delete_object, "object 'model' is missing"),
+        (garble_manifest, "manifest.json is not valid JSON"),
+    ],
+)
+def test_corrupt_snapshot_is_refused_and_previous_one_used(store, url, caplog, corrupt, fragment):
+    commit_small(store, 10)
+    commit_small(store, 20)
+    corrupt(store, 20)
+
+    with pytest.raises(SnapshotError) as raised:
+        store.read_verified("step-000000000020")
+    message = str(raised.value)
+    assert message.startswith(f"snapshot {url}/step-000000000020 is corrupt: ")
+    assert fragment in message
+
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+        manifest, payload = store.latest_valid()
+    assert manifest.snapshot_id == "step-000000000010"
+    assert payload == {"model": b"model at step 10"}
+    warnings = warning_messages(caplog)
+    assert len(warnings) == 1 and "step-000000000020" in warnings[0]
+
+
+def test_none_valid_raises_and_deletes_nothing(store, url):
+    commit_small(store, 10)
+    flip_one_byte(store, 10)
+    make_torn(store, 20)
+    before = {path: store.fs.cat_file(path) for path in store.fs.find(store.root)}
+
+    with pytest.raises(SnapshotError) as raised:
+        store.latest_valid()
+    message = str(raised.value)
+    assert f"found 2 snapshot prefix(es) under {url} but none verifies" in message
+    assert "nothing was deleted" in message
+
+    after = {path: store.fs.cat_file(path) for path in store.fs.find(store.root)}
+    assert after == before
+    assert [item.snapshot_id for item in store.list_snapshots()] == [
+        "step-000000000010",
+        "step-000000000020",
+    ]
+
+
+def test_missing_or_empty_root_has_no_snapshot(store):
+    assert store.list_snapshots() == []
+    assert store.latest_valid() is None
+    store.fs.makedirs(store.root, exist_ok=True)
+    store.fs.pipe_file(f"{store.root}/notes.txt", b"not a snapshot")
+    assert store.latest_valid() is None
+
+
+def test_prune_keeps_newest_committed_and_newer_torn(store):
+    make_torn(store, 5)
+    for step in (10, 20):
+        commit_small(store, step)
+    make_torn(store, 25)
+    for step in (30, 40):
+        commit_small(store, step)
+    make_torn(store, 50)
+
+    deleted = store.prune(keep_last=2)
+
+    assert deleted == [snapshot_id_for_step(step) for step in (5, 10, 20, 25)]
+    assert [item.snapshot_id for item in store.list_snapshots()] == [
+        "step-000000000030",
+        "step-000000000040",
+        "step-000000000050",
+    ]
+    assert store.fs.cat_file(object_path(store, 50, "model")) == b"half-written"
+    assert store.latest_valid()[1] == {"model": b"model at step 40"}
+
+
+def test_prune_without_committed_snapshot_deletes_nothing(store):
+    make_torn(store, 5)
+    assert store.prune(keep_last=1) == []
+    assert [item.step for item in store.list_snapshots()] == [5]
+    with pytest.raises(ValueError):
+        store.prune(keep_last=0)
+
+
+def test_commit_over_existing_prefix_replaces_stale_objects(store):
+    store.commit(10, {"model": write_bytes(b"old"), "extra": write_bytes(b"stale")}, meta={})
+    make_torn(store, 10)  # also leave a torn overwrite of the model behind
+
+    manifest = store.commit(10, {"model": write_bytes(b"new")}, meta={"attempt": 2})
+
+    prefix = f"{store.root}/step-000000000010"
+    names = sorted(path.rsplit("/", 1)[-1] for path in store.fs.find(prefix))
+    assert names == [MANIFEST_NAME, "model"]
+    assert set(manifest.objects) == {"model"}
+    assert store.read_verified("step-000000000010")[1] == {"model": b"new"}
+
+
+def test_writer_error_propagates_and_leaves_no_manifest(store):
+    commit_small(store, 10)
+
+    def broken_writer(handle):
+        handle.write(b"partial")
+        raise ValueError("bug in state_dict")
+
+    with pytest.raises(ValueError, match="bug in state_dict"):
+        store.commit(20, {"a": write_bytes(b"fine"), "b": broken_writer}, meta={})
+
+    assert not store.fs.exists(object_path(store, 20, MANIFEST_NAME))
+    listings = store.list_snapshots()
+    assert [(item.step, item.problem is None) for item in listings] == [(10, True), (20, False)]
+    assert store.latest_valid()[0].step == 10
+
+
+def test_check_writable_leaves_nothing_behind(store):
+    store.check_writable()
+    assert store.fs.ls(store.root) == []
+
+
+def test_local_commit_leaves_no_temp_files(tmp_path):
+    store = SnapshotStore(f"file://{tmp_path}/snapshots")
+    store.commit(3, {"model": write_in_chunks(BIG_OBJECT), "optim": write_bytes(b"x")}, meta={})
+    assert os.listdir(tmp_path / "snapshots") == ["step-000000000003"]
+    assert sorted(os.listdir(tmp_path / "snapshots" / "step-000000000003")) == [
+        MANIFEST_NAME,
+        "model",
+        "optim",
+    ]
+
+
+def test_local_writer_error_leaves_no_temp_file(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+
+    def broken_writer(handle):
+        handle.write(b"partial")
+        raise ValueError("bug")
+
+    with pytest.raises(ValueError):
+        store.commit(1, {"model": broken_writer}, meta={})
+    assert os.listdir(tmp_path / "step-000000000001") == []
+
+
+def test_check_writable_reports_url_when_path_is_unusable(tmp_path):
+    blocker = tmp_path / "a-regular-file"
+    blocker.write_bytes(b"")
+    url = str(blocker / "snapshots")
+
+    with pytest.raises(StorageError) as raised:
+        SnapshotStore(url).check_writable()
+    message = str(raised.value)
+    assert url in message
+    assert "check the path/credentials or set snapshot.url" in message
+    assert "\n" not in message
+
+
+def test_commit_to_unusable_path_raises_storage_error(tmp_path):
+    blocker = tmp_path / "a-regular-file"
+    blocker.write_bytes(b"")
+    url = str(blocker / "snapshots")
+
+    with pytest.raises(StorageError, match="step-000000000001"):
+        SnapshotStore(url).commit(1, {"model": write_bytes(b"x")}, meta={})
