@@ -297,7 +297,7 @@ class Trainer:
             pruned = self.store.prune(self.cfg.snapshot.keep_last)
             size = sum(entry.size for entry in manifest.objects.values())
             log.info(
-                "snapshot %s committed: %d bytes in %.3fs%s", manifest.snapshot_id, size,
+                "snapshot %s/%s committed: %d bytes in %.3fs%s", self.store.url, manifest.snapshot_id, size,
                 time.monotonic() - started, f" (pruned {', '.join(pruned)})" if pruned else "",
             )
         self._snapshot_requested = False

@@ -227,9 +227,6 @@ class SnapshotStore:
         manifest = Manifest(snapshot_id, step, time.time(), objects, meta)
         manifest_bytes = manifest.to_json()
         self._write_object(snapshot_id, MANIFEST_NAME, lambda handle: handle.write(manifest_bytes))
-        total_bytes = sum(entry.size for entry in objects.values())
-        log.info("committed snapshot %s (%d objects, %d bytes)",
-                 self._where(snapshot_id), len(objects), total_bytes)
         return manifest
 
     def _write_object(self, snapshot_id: str, name: str, writer: Writer) -> ObjectEntry:
@@ -368,6 +365,5 @@ class SnapshotStore:
             where = self._where(listing.snapshot_id)
             with _storage_errors(f"delete {where}", "check permissions of snapshot.url"):
                 self.fs.rm(self._path(listing.snapshot_id), recursive=True)
-            log.info("pruned snapshot %s", where)
             deleted.append(listing.snapshot_id)
         return deleted

@@ -26,7 +26,7 @@ def test_main_job_learns_and_snapshots_along_the_way(tmp_path):
     assert result.summary["restart"] == "0", "the main job should not need a restart"
     assert float(result.summary["val_accuracy"]) > 0.9, "3 classes: chance is 0.33"
     assert re.fullmatch(r"[0-9a-f]{64}", result.summary["params_sha256"])
-    committed = re.findall(r"snapshot (step-\d+) committed", result.output)
+    committed = re.findall(r"snapshot \S+/(step-\d+) committed", result.output)
     assert len(committed) >= 5, committed
 
     store = SnapshotStore(str(tmp_path / "run" / "snapshots"))

@@ -10,9 +10,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+
+from elastictrain.data import epoch_order
+from elastictrain.snapshot import load_object
+from elastictrain.storage import SnapshotStore
+from elastictrain.tasks import spirals
 
 from tests.conftest import job_env, parse_job, torchrun_command
 from tests.helpers import procs
@@ -28,6 +36,9 @@ JOB = [
     "train.batch_size=16",
     "train.log_every_steps=10",
     f"snapshot.every_steps={SNAPSHOT_EVERY}",
+    # 509 validation samples in batches of 100: uneven shards and a short last batch per rank.
+    "task.args.val_samples=509",
+    "data.val_batch_size=100",
 ]
 TIMEOUT_S = 120
 ATTEMPT_START = re.compile(r"\[elastictrain r0 a(\d+)\] INFO (?:restored snapshot \S+: step (\d+)|no snapshot at)")
@@ -38,10 +49,11 @@ def start_steps(output: str) -> list[int]:
     return [int(step or 0) for _, step in ATTEMPT_START.findall(output)]
 
 
-def launch_job(workdir: Path, name: str, extra: list[str] = ()) -> procs.Launched:
+def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False) -> procs.Launched:
     overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
     (workdir / "trace").mkdir(exist_ok=True)
-    return procs.launch(torchrun_command(overrides), log_path=workdir / f"{name}.log", env=job_env(), cwd=workdir)
+    command = [sys.executable, "-m", "elastictrain", "train", *overrides] if single_process else torchrun_command(overrides)
+    return procs.launch(command, log_path=workdir / f"{name}.log", env=job_env(), cwd=workdir)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +65,12 @@ def reference(tmp_path_factory):
     result = parse_job(job.output())
     traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
     assert all(len(t) == 1 for t in traces.values())
-    return result, {rank: t[0] for rank, t in traces.items()}
+    final_state = load_object(SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()[1]["model.pt"], "final")
+    return result, {rank: t[0] for rank, t in traces.items()}, final_state
 
 
 def test_reference_run_trains_every_sample_once_per_epoch(reference):
-    result, traces = reference
+    result, traces, _ = reference
     assert result.summary["state"] == "DONE" and result.summary["step"] == "240"
     assert len(traces[0]) == len(traces[1]) == 240
     for epoch in range(5):
@@ -73,7 +86,7 @@ def test_reference_run_trains_every_sample_once_per_epoch(reference):
     ids=["rank1-mid-epoch0", "rank0-mid-epoch1", "rank1-before-first-snapshot"],
 )
 def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_step):
-    ref_result, ref_traces = reference
+    ref_result, ref_traces, _ = reference
     job = launch_job(tmp_path, "job", [f"task.args.pause_rank={kill_rank}", f"task.args.pause_at_step={kill_step}"])
     pid = int(procs.wait_for_file(tmp_path / "trace" / f"paused-rank{kill_rank}.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
@@ -91,7 +104,7 @@ def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_ste
 
 def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, reference):
     """A node dies: the agent and its workers are SIGKILLed together; a new torchrun carries on."""
-    ref_result, ref_traces = reference
+    ref_result, ref_traces, _ = reference
     job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=90"])
     procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job)
     job.refresh()
@@ -108,3 +121,39 @@ def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, refer
     for rank in (0, 1):
         stitched = stitch(read_traces(tmp_path / "trace", rank), [0, 75])
         assert stitched == ref_traces[rank]
+
+
+def test_validation_metrics_over_uneven_shards_equal_one_process_evaluating_everything(reference):
+    result, _, final_weights = reference
+    model = spirals.SpiralNet(classes=3, hidden=64, dropout=0.1)
+    model.load_state_dict(final_weights)
+    model.eval()
+    points, labels = spirals.make_spirals(509, classes=3, noise=0.15, seed=1235).tensors  # data_seed + 1
+    with torch.no_grad():
+        logits = model(points)
+    assert float(result.summary["val_loss"]) == pytest.approx(F.cross_entropy(logits, labels).item(), abs=1e-4)
+    accuracy = (logits.argmax(1) == labels).double().mean().item()
+    assert float(result.summary["val_accuracy"]) == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
+    """2 workers die at step 61 (epoch 1); one plain-python worker restores step 50 and carries on.
+
+    Epoch 1 must still see every sample exactly once, in the epoch's global order.
+    """
+    first = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=61"])
+    procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
+    first.kill_all()
+    single = launch_job(tmp_path, "single", single_process=True)
+    assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
+    result = parse_job(single.output())
+    assert result.restored_steps == [50]
+    assert "was taken with world size 2, this run has 1: data position re-sharded from sample 64 of epoch 1" in result.output
+    # 50 steps at 32 samples, then (1536 - 64) / 16 = 92 steps to end epoch 1, then 3 epochs of 96.
+    assert result.summary["world_size"] == "1" and result.summary["step"] == str(50 + 92 + 3 * 96)
+
+    (rank0_two_workers, rank0_single), (rank1_two_workers,) = read_traces(tmp_path / "trace", 0), read_traces(tmp_path / "trace", 1)
+    epoch1_order = [
+        i for step in range(48, 50) for i in rank0_two_workers[step] + rank1_two_workers[step]
+    ] + [i for batch in rank0_single[:92] for i in batch]
+    assert epoch1_order == epoch_order(1536, seed=0, epoch=1, shuffle=True)

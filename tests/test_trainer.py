@@ -1,0 +1,131 @@
+"""The Trainer in this process (one worker, no process group): restore paths, errors, options.
+
+Everything here is real — real storage (memory:// and local disk), real training — only the
+launcher is absent, which is what a user running `python train.py` gets.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from elastictrain import SnapshotError, StorageError, Trainer, seed_everything
+from elastictrain.storage import SnapshotStore
+from elastictrain.tasks import spirals
+from tests.conftest import REPO_ROOT, job_env
+
+SMALL = {"train_samples": 512, "val_samples": 128, "hidden": 32}
+
+
+def config(url: str, **train) -> dict:
+    return {
+        "snapshot": {"url": url, "every_steps": 10},
+        "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5, **train},
+        "log": {"progress_bar": False},
+    }
+
+
+def trainer(url: str, task_args: dict = SMALL, **train) -> Trainer:
+    seed_everything(0)
+    return Trainer.from_task(spirals.build(**task_args), config(url, **train))
+
+
+def memory_url() -> str:
+    return f"memory://elastictrain-tests/{uuid.uuid4().hex}"
+
+
+def test_corrupt_newest_snapshot_falls_back_to_the_previous_and_still_ends_bitwise_equal(capfd):
+    url = memory_url()
+    reference = trainer(url).fit()
+    store = SnapshotStore(url)
+    newest = store.list_snapshots()[-1].snapshot_id
+    path = f"{store.root}/{newest}/model.pt"
+    data = bytearray(store.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    store.fs.pipe_file(path, bytes(data))
+
+    again = trainer(url).fit()
+    err = capfd.readouterr().err
+    assert f"skipping snapshot {url}/{newest}" in err and "sha256" in err
+    previous = store.list_snapshots()[-2].step
+    assert f"restored snapshot {url}/step-{previous:012d}" in err
+    assert again.params_sha256 == reference.params_sha256
+
+
+def test_a_snapshot_of_another_model_is_refused_and_nothing_is_deleted(capfd):
+    url = memory_url()
+    trainer(url, max_steps=10).fit()
+    before = [s.snapshot_id for s in SnapshotStore(url).list_snapshots()]
+    with pytest.raises(SnapshotError, match="was saved from a different model .*shape"):
+        trainer(url, task_args={**SMALL, "hidden": 48}).fit()
+    assert [s.snapshot_id for s in SnapshotStore(url).list_snapshots()] == before
+    assert "stopped in state RESTORE at step 0" in capfd.readouterr().err
+
+
+def test_unwritable_store_fails_before_any_step(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run = trainer(str(blocker / "snapshots"))
+    with pytest.raises(StorageError, match=str(blocker)):
+        run.fit()
+    assert run.progress.global_step == 0
+
+
+def test_time_based_snapshots_are_taken_at_log_boundaries():
+    url = memory_url()
+    seed_everything(0)
+    run = Trainer.from_task(
+        spirals.build(**SMALL),
+        {**config(url), "snapshot": {"url": url, "every_steps": 0, "every_seconds": 1e-9, "keep_last": 100, "on_done": False}},
+    )
+    run.fit()
+    steps = [s.step for s in SnapshotStore(url).list_snapshots()]
+    # 2 epochs of 32 steps; metrics are reduced every 5 steps and at each epoch end.
+    assert steps == sorted(set(range(5, 65, 5)) | {32, 64}), "one snapshot at every metric reduction"
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """2 micro-batches of 8 (no dropout) take the same steps on the same samples as one batch of 16."""
+    no_dropout = {**SMALL, "dropout": 0.0}
+    big = trainer(memory_url(), task_args=no_dropout, batch_size=16)
+    big.fit()
+    accumulated = trainer(memory_url(), task_args=no_dropout, batch_size=8, grad_accum_steps=2)
+    accumulated.fit()
+    assert accumulated.progress.global_step == big.progress.global_step == 64
+    for a, b in zip(accumulated.task.model.parameters(), big.task.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_progress_bar_on_rank_zero(capfd):
+    seed_everything(0)
+    Trainer.from_task(spirals.build(**SMALL), {**config(memory_url()), "log": {"progress_bar": True}}).fit()
+    err = capfd.readouterr().err
+    assert "64/64" in err and "step/s" in err
+
+
+def test_yaml_config_through_the_installed_console_script(tmp_path):
+    console = shutil.which("elastictrain", path=str(REPO_ROOT / ".venv" / "bin")) or shutil.which(
+        "elastictrain", path=str(__import__("pathlib").Path(sys.executable).parent)
+    )
+    assert console, "the console script `elastictrain` should be installed next to this python"
+    (tmp_path / "trace").mkdir()
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(
+        "task:\n"
+        "  factory: tests.helpers.tasks:build\n"
+        f"  args: {{trace_dir: {tmp_path / 'trace'}, train_samples: 256, val_samples: 64}}\n"
+        "train: {max_epochs: 1, batch_size: 16}\n"
+        f"snapshot: {{url: {tmp_path / 'snaps'}, every_steps: 4}}\n"
+    )
+    done = subprocess.run(
+        [console, "train", "--config", str(config_file), "train.max_steps=10"],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **job_env()}, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run summary: state=DONE step=10 epoch=0" in done.stderr
+    assert [s.step for s in SnapshotStore(str(tmp_path / "snaps")).list_snapshots()] == [4, 8, 10]
