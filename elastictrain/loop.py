@@ -221,7 +221,14 @@ class Trainer:
         if self.ctx.is_main:
             try:
                 self.store.check_writable()
-                found = self.store.latest_valid() if self.cfg.snapshot.resume else None
+                if self.cfg.snapshot.resume:
+                    found = self.store.latest_valid()
+                elif self.store.list_snapshots():
+                    # A fresh run writing beside another run's snapshots would mix the two.
+                    raise SnapshotError(
+                        f"snapshot.resume=false but {self.store.url} already holds snapshots; point snapshot.url "
+                        "(or run.name) somewhere empty, or remove them — nothing was deleted"
+                    )
             except ElastictrainError as exc:
                 error = (type(exc).__name__, str(exc))
         found, error = dist.broadcast_from_main((found, error), self.ctx)
@@ -240,8 +247,10 @@ class Trainer:
         while True:
             if self._batches is None:
                 self._open_epoch()
-            self._train_step()
-            self._steps_left -= 1
+            # After a restore into a larger world the rest of an epoch can be under one step.
+            if self._steps_left > 0:
+                self._train_step()
+                self._steps_left -= 1
             epoch_ended = self._steps_left == 0
             if epoch_ended:
                 self._end_epoch()

@@ -157,3 +157,20 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
         i for step in range(48, 50) for i in rank0_two_workers[step] + rank1_two_workers[step]
     ] + [i for batch in rank0_single[:92] for i in batch]
     assert epoch1_order == epoch_order(1536, seed=0, epoch=1, shuffle=True)
+
+
+def test_restore_one_worker_snapshot_into_two_workers(tmp_path):
+    """1 -> 2 workers where the rest of the epoch (16 samples) is less than one 2-worker step (32)."""
+    single = launch_job(tmp_path, "single", ["train.max_steps=95", "snapshot.every_steps=5"], single_process=True)
+    assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
+    assert parse_job(single.output()).summary["step"] == "95"  # sample 1520 of 1536 in epoch 0
+
+    two = launch_job(tmp_path, "two")
+    assert two.wait(TIMEOUT_S) == 0, two.output()[-4000:]
+    result = parse_job(two.output())
+    assert result.restored_steps == [95] and result.summary["world_size"] == "2"
+    assert "was taken with world size 1, this run has 2: data position re-sharded from sample 1520 of epoch 0" in result.output
+    assert result.summary["step"] == str(95 + 4 * 48) and result.summary["epoch"] == "5"
+    rank0, rank1 = read_traces(tmp_path / "trace", 0)[-1], read_traces(tmp_path / "trace", 1)[0]
+    first_epoch1_step = rank0[0] + rank1[0]
+    assert first_epoch1_step == epoch_order(1536, seed=0, epoch=1, shuffle=True)[:32], "epoch 0's last 16 samples are dropped as an incomplete step"

@@ -129,3 +129,14 @@ def test_yaml_config_through_the_installed_console_script(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "run summary: state=DONE step=10 epoch=0" in done.stderr
     assert [s.step for s in SnapshotStore(str(tmp_path / "snaps")).list_snapshots()] == [4, 8, 10]
+
+
+def test_a_fresh_run_refuses_a_store_that_holds_another_runs_snapshots():
+    url = memory_url()
+    trainer(url, max_steps=10).fit()
+    before = [s.snapshot_id for s in SnapshotStore(url).list_snapshots()]
+    seed_everything(0)
+    fresh = Trainer.from_task(spirals.build(**SMALL), {**config(url), "snapshot": {"url": url, "resume": False}})
+    with pytest.raises(SnapshotError, match="snapshot.resume=false but .* already holds snapshots"):
+        fresh.fit()
+    assert [s.snapshot_id for s in SnapshotStore(url).list_snapshots()] == before
