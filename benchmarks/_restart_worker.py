@@ -60,7 +60,7 @@ def main() -> None:
     else:
         from elastictrain.dist import teardown
 
-        teardown(ctx, finished_cleanly=True)
+        teardown(ctx)
     print(f"rank {rank} restart {restart_count} done", flush=True)
 
 

@@ -15,9 +15,11 @@ count and the world size gives every attempt keys of its own.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -202,17 +204,21 @@ def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg:
     )
 
 
-def teardown(ctx: DistContext, finished_cleanly: bool) -> None:
-    """Destroy the process group; after a clean finish, only once every rank is done with it."""
+def teardown(ctx: DistContext) -> None:
+    """Destroy the process group, and let gloo's worker threads go idle before Python exits."""
     if not (ctx.distributed and dist.is_initialized()):
         return
-    if finished_cleanly:
-        # Measured on torch 2.13 gloo: a rank that destroys the group while a peer is still
-        # using it (rank 0 writing the final snapshot) aborts at exit ("terminate called
-        # without an active exception", SIGABRT) in about 1 run of 12, and torchrun then
-        # restarts a finished job. After a failure no barrier: a dead peer would hold it up.
-        dist.barrier()
     dist.destroy_process_group()
+    if ctx.backend == "gloo":
+        # destroy_process_group() does not stop gloo's worker threads: the group lives on in
+        # C++ until the process exits. A worker still releasing the last collective's tensors
+        # must take the GIL; once the interpreter is finalizing, CPython ends such a thread and
+        # its C++ unwind calls std::terminate (seen in a core dump: take_gil -> pthread_exit
+        # inside ProcessGroupGloo::AsyncWork::~AsyncWork). That is a SIGABRT at exit — 8 of 60
+        # runs of a minimal DDP script on torch 2.13 — and torchrun restarts a finished job.
+        # Collecting garbage and releasing the GIL for a moment lets those threads finish first.
+        gc.collect()
+        time.sleep(0.1)
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:
@@ -221,6 +227,11 @@ def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Map
     if not ctx.distributed:
         return model
     if cfg.sync_batchnorm:
+        if ctx.device.type != "cuda":
+            raise DistributedSetupError(
+                "dist.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm does not run on CPU); "
+                "set dist.sync_batchnorm=false"
+            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     find_unused = cfg.find_unused_parameters
     if find_unused is None:

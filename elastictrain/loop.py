@@ -180,7 +180,7 @@ class Trainer:
             if getattr(self, "_bar", None) is not None:
                 self._bar.close()
             if self.ctx is not None:
-                dist.teardown(self.ctx, finished_cleanly=self.machine.state in (State.DONE, State.PREEMPTED))
+                dist.teardown(self.ctx)
         return self.summary
 
     # -- states -----------------------------------------------------------------------------

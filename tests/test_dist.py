@@ -64,3 +64,26 @@ def test_incomplete_torchrun_environment_is_a_clear_error():
 def test_nccl_on_cpu_is_refused():
     with pytest.raises(DistributedSetupError, match="nccl needs a CUDA device"):
         setup(DistConfig(backend="nccl", device="cpu"), environ={"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_ddp_wrapping_options_on_a_real_one_rank_gloo_group():
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+
+    from elastictrain.dist import DistContext, LaunchEnv, unwrap, wrap_model
+
+    store = tdist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ctx = DistContext(LaunchEnv("env"), True, torch.device("cpu"), "gloo", 60.0)
+        model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))
+        from_env = wrap_model(model, ctx, DistConfig(), environ={"DDP_FIND_UNUSED_PARAMETERS": "true"})
+        assert isinstance(from_env, nn.parallel.DistributedDataParallel) and from_env.find_unused_parameters
+        explicit = wrap_model(nn.Linear(2, 2), ctx, DistConfig(find_unused_parameters=False), environ={"DDP_FIND_UNUSED_PARAMETERS": "1"})
+        assert not explicit.find_unused_parameters
+        assert isinstance(unwrap(explicit), nn.Linear)
+        with pytest.raises(DistributedSetupError, match="sync_batchnorm=true needs CUDA"):
+            wrap_model(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)), ctx, DistConfig(sync_batchnorm=True), environ={})
+    finally:
+        tdist.destroy_process_group()

@@ -70,7 +70,11 @@ def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
 def test_user_script_handler_style(tmp_path, launcher):
-    script = [str(REPO_ROOT / "launch" / "torchrun" / "train_script.py"), f"run.dir={tmp_path / 'run'}", "train.max_epochs=4"]
+    # Two micro-batches per step: under torchrun the first runs inside DDP's no_sync().
+    script = [
+        str(REPO_ROOT / "launch" / "torchrun" / "train_script.py"), f"run.dir={tmp_path / 'run'}",
+        "train.max_epochs=4", "train.grad_accum_steps=2", "train.batch_size=16",
+    ]
     if launcher == "torchrun":
         command = torchrun_command([])[:-3] + script  # the same torchrun line, with a script instead of -m
     else:
@@ -78,7 +82,9 @@ def test_user_script_handler_style(tmp_path, launcher):
     job = procs.launch(command, log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-3000:]
     result = parse_job(job.output())
-    assert result.summary["world_size"] == ("2" if launcher == "torchrun" else "1")
+    world_size = 2 if launcher == "torchrun" else 1
+    assert result.summary["world_size"] == str(world_size)
+    assert result.summary["step"] == str(4 * 4096 // (16 * 2 * world_size))
     assert float(result.summary["val_accuracy"]) > 0.8
 
 

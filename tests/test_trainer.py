@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from elastictrain import SnapshotError, StorageError, Trainer, seed_everything
+from elastictrain import SnapshotError, State, StorageError, Trainer, seed_everything
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 from tests.conftest import REPO_ROOT, job_env
@@ -74,6 +74,15 @@ def test_unwritable_store_fails_before_any_step(tmp_path):
     with pytest.raises(StorageError, match=str(blocker)):
         run.fit()
     assert run.progress.global_step == 0
+
+
+def test_hooks_fire_on_transitions_of_a_real_fit():
+    run = trainer(memory_url())
+    seen = []
+    run.on(dst=State.SNAPSHOT)(lambda src, dst, step: seen.append(step))
+    run.on(src=State.EVALUATE)(lambda src, dst, step: seen.append(f"eval@{step}->{dst.name}"))
+    run.fit()
+    assert seen == [10, 20, 30, "eval@32->TRAIN", 40, 50, 60, "eval@64->SNAPSHOT", 64]
 
 
 def test_time_based_snapshots_are_taken_at_log_boundaries():
