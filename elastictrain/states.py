@@ -27,8 +27,8 @@ class State(enum.Enum):
 
 TERMINAL = frozenset({State.PREEMPTED, State.DONE, State.FAILED})
 
-# Every state may also go to FAILED; it is added below rather than repeated on each line.
-ALLOWED: dict[State, frozenset[State]] = {
+# Every non-terminal state may also go to FAILED; it is added below, not repeated on each line.
+_EDGES: dict[State, frozenset[State]] = {
     State.SETUP: frozenset({State.RESTORE}),
     State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.DONE}),
     State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
@@ -39,9 +39,8 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.DONE: frozenset(),
     State.FAILED: frozenset(),
 }
-ALLOWED = {
-    state: targets | ({State.FAILED} if state not in TERMINAL else frozenset())
-    for state, targets in ALLOWED.items()
+ALLOWED: dict[State, frozenset[State]] = {
+    state: targets if state in TERMINAL else targets | {State.FAILED} for state, targets in _EDGES.items()
 }
 
 
