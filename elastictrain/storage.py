@@ -179,7 +179,16 @@ class SnapshotStore:
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as exc:
+            # fsspec names the missing package ("Install s3fs to access S3").
+            raise StorageError(
+                f"snapshot.url={url!r} needs a filesystem package that is not installed ({_one_line(exc)}); "
+                "for s3:// run pip install 'elastictrain[s3]'"
+            ) from None
+        except (ValueError, TypeError) as exc:
+            raise StorageError(f"snapshot.url={url!r} cannot be opened ({_one_line(exc)}); {_CHECK_STORE}") from None
         self._is_local = isinstance(self.fs, LocalFileSystem)
 
     def _path(self, *parts: str) -> str:
