@@ -163,16 +163,17 @@ class Trainer:
     def fit(self) -> RunSummary:
         self._started = time.monotonic()
         self.ctx: dist.DistContext | None = None
+        self._rank_label = "?"  # known once SETUP has read the launch environment
         try:
             while not self.machine.finished:
                 next_state = self._actions[self.machine.state]()
                 self.machine.transition(next_state, self.progress.global_step)
         except BaseException as exc:
-            rank = self.ctx.rank if self.ctx else dist.detect_launch_env().rank
+            where = (self._rank_label, self.machine.state.name, self.progress.global_step)
             if isinstance(exc, ElastictrainError):
-                log.error("rank %d stopped in state %s at step %d: %s", rank, self.machine.state.name, self.progress.global_step, exc)
+                log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
             else:
-                log.exception("rank %d failed in state %s at step %d", rank, self.machine.state.name, self.progress.global_step)
+                log.exception("rank %s failed in state %s at step %d", *where)
             if not self.machine.finished:
                 self.machine.transition(State.FAILED, self.progress.global_step)
             raise
@@ -187,6 +188,7 @@ class Trainer:
 
     def _setup(self) -> State:
         launch = dist.detect_launch_env()
+        self._rank_label = str(launch.rank)
         setup_logging(launch.rank, launch.restart_count, self.cfg.log)
         self.ctx = dist.setup(self.cfg.dist)
         self.machine.log_transitions = self.ctx.is_main

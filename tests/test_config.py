@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from elastictrain.config import Config, load_config
 from elastictrain.errors import ConfigError
@@ -91,5 +92,5 @@ def test_cli_prints_one_line_and_exits_non_zero_without_traceback(tmp_path, args
 
 def test_config_is_a_typed_tree():
     assert isinstance(load_config(), Config)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         load_config().train.batch_size = "x"  # validated on assignment too

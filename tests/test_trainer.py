@@ -107,7 +107,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     accumulated = trainer(memory_url(), task_args=no_dropout, batch_size=8, grad_accum_steps=2)
     accumulated.fit()
     assert accumulated.progress.global_step == big.progress.global_step == 64
-    for a, b in zip(accumulated.task.model.parameters(), big.task.model.parameters()):
+    for a, b in zip(accumulated.task.model.parameters(), big.task.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

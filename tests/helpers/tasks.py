@@ -69,6 +69,6 @@ def stitch(attempts: list[list[list[int]]], start_steps: list[int]) -> list[list
     """The samples that count: each attempt continues from the step it restored, dropping redone steps."""
     assert len(attempts) == len(start_steps), (len(attempts), start_steps)
     steps: list[list[int]] = []
-    for trace, start in zip(attempts, start_steps):
+    for trace, start in zip(attempts, start_steps, strict=True):
         steps = steps[:start] + trace
     return steps
