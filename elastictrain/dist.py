@@ -270,6 +270,15 @@ def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
     return gathered
 
 
+def all_gather(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's ``obj`` on every rank, in rank order."""
+    if not ctx.distributed:
+        return [obj]
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if not ctx.distributed:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .dist import DistContext, all_reduce_sum
+from .dist import DistContext, all_gather, all_reduce_sum
 
 
 class WeightedSums:
@@ -47,10 +46,7 @@ class WeightedSums:
 
 def reduce_objects(count: int, sums: dict[str, float], ctx: DistContext) -> dict[str, float]:
     """Sample-weighted means of python sums over ranks whose metric names may differ (evaluation)."""
-    parts = [(count, sums)]
-    if ctx.distributed:
-        parts = [None] * ctx.world_size
-        dist.all_gather_object(parts, (count, sums))
+    parts = all_gather((count, sums), ctx)
     total = sum(c for c, _ in parts)
     names = sorted({name for _, s in parts for name in s})
     return {name: sum(s.get(name, 0.0) for _, s in parts) / total for name in names} if total else {}

@@ -20,14 +20,23 @@ def _reap():
     yield from procs.reap_fixture()
 
 
-def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3) -> list[str]:
-    """The launch line users type, as a list: torchrun with c10d rendezvous, then `-m elastictrain train`."""
+def torchrun_launcher(*, nproc: int = 2, max_restarts: int = 3) -> list[str]:
+    """The torchrun part of the launch line users type: c10d rendezvous, 2 workers, restarts."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        "-m", "elastictrain", "train", *overrides,
     ]
+
+
+def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3) -> list[str]:
+    """`torchrun ... -m elastictrain train OVERRIDES`, as a list."""
+    return [*torchrun_launcher(nproc=nproc, max_restarts=max_restarts), "-m", "elastictrain", "train", *overrides]
+
+
+def python_command(overrides: list[str]) -> list[str]:
+    """`python -m elastictrain train OVERRIDES`: one process, no launcher."""
+    return [sys.executable, "-m", "elastictrain", "train", *overrides]
 
 
 def job_env() -> dict[str, str]:

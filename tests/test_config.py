@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from pydantic import ValidationError
 
 from elastictrain.config import Config, load_config
 from elastictrain.errors import ConfigError
+from tests.conftest import python_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_unreadable_files_are_clear(tmp_path):
 )
 def test_cli_prints_one_line_and_exits_non_zero_without_traceback(tmp_path, args, expected):
     done = subprocess.run(
-        [sys.executable, "-m", "elastictrain", "train", f"run.dir={tmp_path}", *args],
+        python_command([f"run.dir={tmp_path}", *args]),
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert done.returncode == 2, done.stderr

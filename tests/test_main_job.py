@@ -10,7 +10,7 @@ import pytest
 
 from elastictrain.storage import SnapshotStore
 from elastictrain.snapshot import load_object
-from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_command
+from tests.conftest import REPO_ROOT, job_env, parse_job, python_command, torchrun_command, torchrun_launcher
 from tests.helpers import procs
 
 TIMEOUT_S = 180
@@ -39,11 +39,10 @@ def test_main_job_learns_and_snapshots_along_the_way(tmp_path):
 
 
 def single_process(tmp_path: Path, extra: list[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "elastictrain", "train", "task.factory=tests.helpers.tasks:build",
-        f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}", "train.max_epochs=2",
-        "snapshot.every_steps=20", *extra,
-    ]
+    return python_command([
+        "task.factory=tests.helpers.tasks:build", f"task.args.trace_dir={tmp_path / 'trace'}",
+        f"run.dir={tmp_path / 'run'}", "train.max_epochs=2", "snapshot.every_steps=20", *extra,
+    ])
 
 
 def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
@@ -76,7 +75,7 @@ def test_user_script_handler_style(tmp_path, launcher):
         "train.max_epochs=4", "train.grad_accum_steps=2", "train.batch_size=16",
     ]
     if launcher == "torchrun":
-        command = torchrun_command([])[:-3] + script  # the same torchrun line, with a script instead of -m
+        command = torchrun_launcher() + script
     else:
         command = [sys.executable, *script]
     job = procs.launch(command, log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 
-from tests.conftest import job_env, parse_job, torchrun_command
+from tests.conftest import job_env, parse_job, python_command, torchrun_command
 from tests.helpers import procs
 from tests.helpers.tasks import read_traces, stitch
 
@@ -52,7 +51,7 @@ def start_steps(output: str) -> list[int]:
 def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False) -> procs.Launched:
     overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
     (workdir / "trace").mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "elastictrain", "train", *overrides] if single_process else torchrun_command(overrides)
+    command = python_command(overrides) if single_process else torchrun_command(overrides)
     return procs.launch(command, log_path=workdir / f"{name}.log", env=job_env(), cwd=workdir)
 
 
