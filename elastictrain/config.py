@@ -63,7 +63,25 @@ class SnapshotConfig(_Section):
     keep_last: PositiveInt = 3
     on_done: bool = True  # write a final snapshot when training finishes
     resume: bool = True  # restore the newest valid snapshot at start
-    storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to fsspec
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to fsspec; secrets are never saved or logged
+    on_error: Literal["stop", "continue"] = "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
+    retry_for_s: PositiveFloat = 20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
+    lease_stale_after_s: NonNegativeFloat = 60.0  # another run's store lease older than this is stale; 0: no lease
+
+
+class PreemptConfig(_Section):
+    # On one of these signals every rank finishes its step, rank 0 commits a snapshot and the
+    # workers exit with code 143 (128 + SIGTERM), which every launcher treats as "terminated".
+    signals: list[Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"]
+    )
+    requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
+
+
+class MetricsConfig(_Section):
+    port: NonNegativeInt = 0  # Prometheus /metrics on rank 0 at this port; 0: off
+    host: str = "0.0.0.0"  # address to bind (0.0.0.0: every interface, as prometheus-client does)
+    per_node: bool = False  # each node's local rank 0 serves its own /metrics, labelled node=<node rank>
 
 
 class DistConfig(_Section):
@@ -80,6 +98,8 @@ class LogConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     progress_bar: Union[bool, Literal["auto"]] = "auto"  # auto: only when stderr is a terminal
     all_ranks: bool = False  # by default ranks other than 0 log warnings and errors only
+    jsonl: bool = False  # rank 0 also writes one JSON object per log record to <run dir>/log.jsonl
+    plots: bool = True  # at the end rank 0 draws loss and metric plots into <run dir>/plots (needs matplotlib)
 
 
 class Config(_Section):
@@ -89,6 +109,8 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
+    preempt: PreemptConfig = Field(default_factory=PreemptConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @property
@@ -99,8 +121,38 @@ class Config(_Section):
     def snapshot_url(self) -> str:
         return self.snapshot.url or os.path.join(self.run_dir, "snapshots")
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        """The config as plain data; ``redact=True`` hides storage secrets (for snapshots and logs)."""
+        data = self.model_dump(mode="json")
+        if redact:
+            data["snapshot"]["storage_options"] = redact_secrets(data["snapshot"]["storage_options"])
+        return data
+
+
+_SECRET_WORDS = ("secret", "password", "token", "credential", "key")
+REDACTED = "<redacted>"
+
+
+def redact_secrets(options: Any) -> Any:
+    """A copy of storage options with every value under a secret-looking key replaced.
+
+    ``key``/``secret``/``token``/``password`` and their ``aws_*`` spellings anywhere in the tree:
+    a snapshot's saved config, a log line and an error message never carry a credential.
+    """
+    if isinstance(options, dict):
+        return {
+            name: REDACTED if isinstance(name, str) and _is_secret_name(name) and not isinstance(value, dict)
+            else redact_secrets(value)
+            for name, value in options.items()
+        }
+    if isinstance(options, list):
+        return [redact_secrets(value) for value in options]
+    return options
+
+
+def _is_secret_name(name: str) -> bool:
+    lowered = name.lower()
+    return any(word in lowered for word in _SECRET_WORDS) and lowered not in ("key_prefix", "sse_kms_key_id")
 
 
 def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: list[str] = ()) -> Config:
