@@ -1,0 +1,55 @@
+"""launch/torchrun: two agents on this machine form one job as two nodes and train the default job."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+
+import pytest
+
+from elastictrain.config import load_config
+from elastictrain.tasks import spirals
+from tests.conftest import parse_job
+from tests.helpers import procs
+from tests.helpers.agents import MULTI_NODE_SCRIPT, NodeGroup
+
+TIMEOUT_S = 120
+
+
+def expected_steps(overrides: list[str], world_size: int) -> int:
+    """Optimizer steps of the default task: an incomplete last step of each epoch is dropped."""
+    cfg = load_config(None, overrides)
+    train_samples = inspect.signature(spirals.build).parameters["train_samples"].default
+    per_step = cfg.train.batch_size * world_size * cfg.train.grad_accum_steps
+    return cfg.train.max_epochs * (train_samples // per_step)
+
+
+@pytest.mark.torchrun
+def test_two_agents_are_two_nodes_of_one_job(tmp_path):
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.max_epochs=2"]
+    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="2", nproc_per_node=1)
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    codes = nodes.wait(TIMEOUT_S)
+    output = nodes.output()
+    assert codes == {0: 0, 1: 0}, output[-4000:]
+
+    # Each agent started a worker of its own: two nodes, one world of two.
+    assert nodes.worker_pids(0) and nodes.worker_pids(1)
+    assert not nodes.worker_pids(0) & nodes.worker_pids(1)
+    result = parse_job(output)
+    assert result.summary["state"] == "DONE"
+    assert result.summary["world_size"] == "2"
+    assert result.summary["restart"] == "0"
+    assert int(result.summary["step"]) == expected_steps(overrides, world_size=2)
+    assert output.count("run summary:") == 1, "only global rank 0 logs the summary"
+    assert nodes.leftover_pids() == [], "every agent and worker must have exited"
+
+
+def test_multi_node_script_refuses_to_start_without_endpoint_or_run_id(tmp_path):
+    for missing in ("RDZV_ENDPOINT", "RDZV_ID"):
+        env = {"RDZV_ENDPOINT": "127.0.0.1:29400", "RDZV_ID": "x", "TORCHRUN": "false"}
+        del env[missing]
+        run = subprocess.run(["bash", str(MULTI_NODE_SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
+        assert run.returncode != 0
+        assert f"set {missing}" in run.stderr, run.stderr
