@@ -1,15 +1,35 @@
-"""``elastictrain train --config FILE key=value ...``: thin, so the library is the program."""
+"""``elastictrain train|snapshots|plot ...``: thin, so the library is the program.
+
+Only ``train`` and the commands that load tensors (``snapshots show``, ``snapshots export``,
+``plot``) import torch, and only once they run: ``--help`` and listing a store stay fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from typing import Any, Callable
+
+import yaml
 
 from .config import load_config
-from .errors import ElastictrainError
+from .errors import ConfigError, ElastictrainError
+
+SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ElastictrainError as exc:
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastictrain", description="Fault-tolerant, elastic training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
@@ -19,12 +39,96 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--config", help="YAML config file (default: the built-in defaults)")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="e.g. train.max_epochs=4 snapshot.url=s3://bkt/run")
-    args = parser.parse_args(argv)
-    try:
-        return _train(args.config, args.overrides)
-    except ElastictrainError as exc:
-        print(f"elastictrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    train.set_defaults(run=lambda args: _train(args.config, args.overrides))
+
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument("url", metavar="URL", help=SNAPSHOT_URL_HELP)
+    store.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec storage option, value parsed as YAML (repeatable; dotted keys nest: "
+             "client_kwargs.endpoint_url=http://...); s3:// also reads the AWS_* environment",
+    )
+    store.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--step", type=int, help="the snapshot at this step (default: the newest that verifies)")
+
+    snapshots = commands.add_parser(
+        "snapshots", help="list, verify, show, export or prune the snapshots under a URL",
+        description="Look into a snapshot store without training. Only show and export load tensors.",
+    ).add_subparsers(dest="snapshot_command", required=True)
+    _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, valid (cheap check)",
+             lambda tools, args, found: (tools.list_document(*found), tools.render_list))
+    _command(snapshots, "verify", [store], "read every object and check every sha256; exit 1 if the newest is invalid",
+             lambda tools, args, found: (tools.verify_document(*found), tools.render_verify))
+    _command(snapshots, "show", [store, pick], "config, progress, attempts and history of one snapshot",
+             lambda tools, args, found: (tools.show_document(*found, args.step), tools.render_show))
+    export = _command(
+        snapshots, "export", [store, pick], "write one snapshot's model weights as a plain state_dict file",
+        lambda tools, args, found: (tools.export_document(*found, args.step, args.out, args.format), tools.render_export),
+    )
+    export.add_argument("--out", required=True, metavar="FILE", help="file to write (torch.load(FILE, weights_only=True) reads it)")
+    export.add_argument("--format", choices=("torch", "safetensors"), default="torch",
+                        help="torch (default) or safetensors (needs the safetensors package)")
+    prune = _command(snapshots, "prune", [store], "delete all but the newest N snapshots (never the newest valid one)",
+                     lambda tools, args, found: (tools.prune_document(*found, args.keep), tools.render_prune))
+    prune.add_argument("--keep", type=int, required=True, metavar="N", help="how many of the newest snapshots to keep")
+    plot = _command(commands, "plot", [store, pick], "draw loss and metric curves of a run, restarts marked, as PNG files",
+                    lambda tools, args, found: (tools.plot_document(*found, args.step, args.out), tools.render_plot))
+    plot.add_argument("--out", default="plots", metavar="DIR", help="directory for the PNG files (default: ./plots)")
+    return parser
+
+
+def _command(commands, name: str, parents: list, summary: str, build: Callable) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, parents=parents, help=summary, description=summary[0].upper() + summary[1:] + ".")
+    parser.set_defaults(run=lambda args: _snapshot_command(args, build))
+    return parser
+
+
+def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
+    from . import snapshot_tools
+
+    _warnings_to_stderr()
+    found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
+    document, render = build(snapshot_tools, args, found)
+    print(json.dumps(document, indent=2) if args.json else render(document))
+    if document.get("newest_valid") is False:  # verify: the newest snapshot does not verify
+        print(f"elastictrain: error: the newest snapshot under {args.url} (step {document['newest_step']}) is invalid",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` strings as fsspec options: values parsed as YAML, dotted keys nested."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--storage-option {pair!r} is not KEY=VALUE (e.g. --storage-option anon=true)")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--storage-option {key}: value {text!r} is not valid YAML ({' '.join(str(exc).split())})") from None
+        *parents, leaf = key.strip().split(".")
+        node = options
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--storage-option {key}: '{part}' is already set to a value, not a mapping")
+        node[leaf] = value
+    return options
+
+
+def _warnings_to_stderr() -> None:
+    # The store logs a snapshot it skips; say it as the one-line form users see from this CLI.
+    logger = logging.getLogger("elastictrain")
+    if not any(getattr(handler, "_elastictrain_cli", False) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("elastictrain: warning: %(message)s"))
+        handler._elastictrain_cli = True
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.WARNING)
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:

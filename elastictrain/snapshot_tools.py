@@ -1,0 +1,483 @@
+"""What ``elastictrain snapshots ...`` and ``elastictrain plot`` do with the snapshots under a URL.
+
+Every command builds one plain document (what ``--json`` prints) and a ``render_*`` function
+turns it into text for an 80-column terminal, so the two never say different things. Listing,
+verifying and pruning touch only storage; torch is imported only where tensors are loaded
+(show, export, plot), so the cheap commands start fast on a login node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ElastictrainError, SnapshotError, StorageError
+from .plots import attempt_markers, write_plots
+from .storage import MANIFEST_NAME, Manifest, SnapshotListing, SnapshotStore
+
+WIDTH = 80
+MAX_ATTEMPTS_SHOWN = 10
+
+
+def open_store(url: str, storage_options: dict[str, Any]) -> tuple[SnapshotStore, list[SnapshotListing]]:
+    """The store at `url` and its step-* prefixes; a missing location or an empty one is an error."""
+    store = SnapshotStore(url, storage_options)
+    try:
+        listings = store.list_snapshots()
+        exists = bool(listings) or store.fs.exists(store.root)
+    except ElastictrainError:
+        raise
+    except Exception as exc:  # e.g. botocore's NoCredentialsError is no OSError; the fix is the user's either way
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise StorageError(f"cannot list {url} ({reason}); check the URL, --storage-option and AWS_* credentials") from None
+    if not exists:
+        raise StorageError(f"no such location: {url}")
+    if not listings:
+        raise SnapshotError(f"no snapshots under {url} (no step-* prefix)")
+    return store, listings
+
+
+# -- list -------------------------------------------------------------------------------------
+
+def list_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
+    """One row per step-* prefix, checked cheaply: manifest present and every object's size."""
+    rows = []
+    for listing in listings:
+        sizes = _object_sizes(store, listing.snapshot_id)
+        manifest = listing.manifest
+        problem = listing.problem or _size_problem(manifest, sizes)
+        rows.append({
+            "snapshot_id": listing.snapshot_id,
+            "step": listing.step,
+            "epoch": manifest.meta.get("epoch") if manifest else None,
+            "world_size": manifest.meta.get("world_size") if manifest else None,
+            "created_unix": manifest.created_unix if manifest else None,
+            "created": _iso(manifest.created_unix) if manifest else None,
+            "size_bytes": sum(sizes.values()),
+            "valid": problem is None,
+            "problem": problem,
+        })
+    return {"url": store.url, "checked": "manifest and object sizes", "snapshots": rows}
+
+
+def render_list(document: dict[str, Any]) -> str:
+    rows = document["snapshots"]
+    table = [("STEP", "EPOCH", "CREATED", "SIZE", "WORLD", "VALID")] + [
+        (
+            str(row["step"]), _or_dash(row["epoch"]), _local_time(row["created_unix"]),
+            _human_bytes(row["size_bytes"]), _or_dash(row["world_size"]), "yes" if row["valid"] else "NO",
+        )
+        for row in rows
+    ]
+    lines = [f"{len(rows)} snapshot(s) under {document['url']}", *_columns(table, right={0, 1, 3, 4})]
+    for row in rows:
+        if not row["valid"]:
+            lines += _wrap(f"step {row['step']}: {row['problem']}", indent="  ")
+    lines.append("(sizes checked; `elastictrain snapshots verify` reads every byte and checks sha256)")
+    return "\n".join(lines)
+
+
+def _object_sizes(store: SnapshotStore, snapshot_id: str) -> dict[str, int]:
+    prefix = f"{store.root.rstrip('/')}/{snapshot_id}"
+    try:
+        entries = store.fs.ls(prefix, detail=True)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise StorageError(f"cannot list {store.url}/{snapshot_id} ({exc})") from exc
+    sizes = {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
+        for entry in entries if entry.get("type") == "file"
+    }
+    sizes.pop(MANIFEST_NAME, None)  # sizes everywhere are the payload's, as the training log reports them
+    return sizes
+
+
+def _size_problem(manifest: Manifest | None, sizes: dict[str, int]) -> str | None:
+    if manifest is None:
+        return None
+    for name, entry in sorted(manifest.objects.items()):
+        if name not in sizes:
+            return f"object '{name}' is missing"
+        if sizes[name] != entry.size:
+            return f"object '{name}' is {sizes[name]} bytes, the manifest says {entry.size}"
+    return None
+
+
+# -- verify -----------------------------------------------------------------------------------
+
+def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
+    """Read every object of every snapshot and check its size and sha256 against the manifest."""
+    rows = []
+    for listing in listings:
+        try:
+            manifest, payload = store.read_verified(listing.snapshot_id)
+            row = {"valid": True, "problem": None, "objects": len(payload),
+                   "size_bytes": sum(len(data) for data in payload.values())}
+        except SnapshotError as exc:
+            row = {"valid": False, "problem": str(exc), "objects": None, "size_bytes": None}
+        rows.append({"snapshot_id": listing.snapshot_id, "step": listing.step, **row})
+    newest = rows[-1]
+    valid_steps = [row["step"] for row in rows if row["valid"]]
+    return {
+        "url": store.url,
+        "snapshots": rows,
+        "newest_step": newest["step"],
+        "newest_valid": newest["valid"],
+        "newest_valid_step": valid_steps[-1] if valid_steps else None,
+        "invalid_steps": [row["step"] for row in rows if not row["valid"]],
+    }
+
+
+def render_verify(document: dict[str, Any]) -> str:
+    lines = [f"verified {len(document['snapshots'])} snapshot(s) under {document['url']}"]
+    for row in document["snapshots"]:
+        if row["valid"]:
+            lines.append(f"  step {row['step']:>9}  ok   {row['objects']} objects, {_human_bytes(row['size_bytes'])}, sha256 match")
+        else:
+            lines += _wrap(f"step {row['step']:>9}  BAD  {row['problem']}", indent="  ", subsequent="                   ")
+    if document["newest_valid"]:
+        bad = len(document["invalid_steps"])
+        lines.append(f"newest snapshot (step {document['newest_step']}) is valid" + (f"; {bad} older one(s) are not" if bad else ""))
+    elif document["newest_valid_step"] is not None:
+        lines.append(f"newest snapshot (step {document['newest_step']}) is INVALID; "
+                     f"a restore would fall back to step {document['newest_valid_step']}")
+    else:
+        lines.append("no snapshot is valid; a restore would stop with an error")
+    return "\n".join(lines)
+
+
+# -- show, export, plot: these load tensors ---------------------------------------------------
+
+def select(store: SnapshotStore, listings: list[SnapshotListing], step: int | None) -> tuple[Manifest, dict[str, bytes]]:
+    """The verified snapshot at `step`, or the newest that verifies; SnapshotError if there is none."""
+    if step is None:
+        try:
+            found = store.latest_valid()
+        except SnapshotError:
+            raise SnapshotError(
+                f"none of the {len(listings)} snapshot(s) under {store.url} verifies; "
+                f"`elastictrain snapshots verify {store.url}` says why"
+            ) from None
+        assert found is not None  # open_store made sure there are prefixes
+        return found
+    chosen = [listing for listing in listings if listing.step == step]
+    if not chosen:
+        steps = ", ".join(str(listing.step) for listing in listings[-10:])
+        raise SnapshotError(f"no snapshot at step {step} under {store.url}; steps there: {steps}")
+    try:
+        return store.read_verified(chosen[0].snapshot_id)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{exc}; pick another with --step, or none for the newest valid") from None
+
+
+def _load(payload: dict[str, bytes], role: str, where: str) -> Any:
+    """Load the snapshot's "model" or "state" object (weights_only); torch is imported only here."""
+    from .snapshot import MODEL_OBJECT, STATE_OBJECT, load_object
+
+    name = {"model": MODEL_OBJECT, "state": STATE_OBJECT}[role]
+    if name not in payload:
+        raise SnapshotError(f"{where} has no '{name}' object; it was not written by elastictrain")
+    return load_object(payload[name], where)
+
+
+def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: int | None) -> dict[str, Any]:
+    """Config, progress, attempts and a history summary of one snapshot."""
+    manifest, payload = select(store, listings, step)
+    where = f"snapshot {store.url}/{manifest.snapshot_id}"
+    state = _load(payload, "state", where)
+    weights = _load(payload, "model", where)
+    records = list((state.get("history") or {}).get("records") or [])
+    attempts = list(state.get("attempts") or [])
+    return {
+        "url": store.url,
+        "snapshot_id": manifest.snapshot_id,
+        "step": manifest.step,
+        "newest": manifest.step == listings[-1].step,
+        "created_unix": manifest.created_unix,
+        "created": _iso(manifest.created_unix),
+        "objects": {name: entry.size for name, entry in manifest.objects.items()},
+        "size_bytes": sum(entry.size for entry in manifest.objects.values()),
+        "meta": manifest.meta,
+        "format_version": state.get("format_version"),
+        "progress": state.get("progress"),
+        "env": state.get("env"),
+        "attempts": attempts,
+        "restarts": sum(len(marker.restart_counts) for marker in attempt_markers(attempts)),
+        "goodput": state.get("goodput"),
+        "history": _history_summary(records),
+        "model": _model_summary(weights),
+        "config": state.get("config"),
+    }
+
+
+def _history_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    train = [r for r in records if "train_loss" in r]
+    val = [r for r in records if any(key.startswith("val_") for key in r)]
+    return {
+        "records": len(records),
+        "train_records": len(train),
+        "val_records": len(val),
+        "first_train": train[0] if train else None,
+        "last_train": train[-1] if train else None,
+        "last_val": val[-1] if val else None,
+    }
+
+
+def _model_summary(weights: Any) -> dict[str, Any]:
+    tensors = {name: value for name, value in weights.items() if hasattr(value, "numel")}
+    return {
+        "tensors": len(tensors),
+        "parameters": sum(int(value.numel()) for value in tensors.values()),
+        "dtypes": sorted({str(value.dtype).removeprefix("torch.") for value in tensors.values()}),
+    }
+
+
+def render_show(document: dict[str, Any]) -> str:
+    progress, env, history = document["progress"] or {}, document["env"] or {}, document["history"]
+    model = document["model"]
+    objects = ", ".join(f"{name} {_human_bytes(size)}" for name, size in sorted(document["objects"].items()))
+    lines = [f"snapshot  {document['url']}/{document['snapshot_id']}" + ("" if document["newest"] else "  (not the newest)")]
+    lines += _wrap(f"created   {_local_time(document['created_unix'])}, {_human_bytes(document['size_bytes'])} ({objects})")
+    lines.append(
+        f"progress  step {progress.get('global_step')}, epoch {progress.get('epoch')} "
+        f"(sample {progress.get('epoch_offset')} of it), {progress.get('samples_seen')} samples seen"
+    )
+    lines.append(f"          last evaluated at step {progress.get('last_evaluated_step')}, "
+                 f"last snapshot at step {progress.get('last_snapshot_step')}")
+    lines.append(f"world     {env.get('world_size')} worker(s), {env.get('num_threads')} intra-op thread(s), "
+                 f"torch {env.get('torch_version')}, snapshot format {document['format_version']}")
+    lines.append(f"model     {model['tensors']} tensors, {model['parameters']:,} parameters ({', '.join(model['dtypes'])})")
+    lines += _render_attempts(document["attempts"], document["restarts"])
+    if document["goodput"]:
+        counters = "  ".join(f"{name} {_seconds(value)}" for name, value in document["goodput"].items())
+        lines += _wrap(f"goodput   {counters}", subsequent=" " * 10)
+    lines += _render_history(history)
+    lines.append("config")
+    for key, value in _flatten(document["config"] or {}):
+        lines += _wrap(f"  {key} = {value}", subsequent="      ")
+    return "\n".join(lines)
+
+
+def _render_attempts(attempts: list[dict[str, Any]], restarts: int) -> list[str]:
+    if not attempts:
+        return ["attempts  not recorded in this snapshot"]
+    lines = [f"attempts  {len(attempts)} ({restarts} restart(s))"]
+    shown = attempts[-MAX_ATTEMPTS_SHOWN:]
+    if len(attempts) > len(shown):
+        lines.append(f"  ... {len(attempts) - len(shown)} earlier attempt(s) not shown (--json has all)")
+    table = [("#", "RESTART", "WORLD", "FROM STEP", "STARTED", "LAUNCHER", "REASON")]
+    first_number = len(attempts) - len(shown) + 1
+    for number, attempt in enumerate(shown, first_number):
+        table.append((
+            str(number), _or_dash(attempt.get("restart_count")), _or_dash(attempt.get("world_size")),
+            _or_dash(attempt.get("start_step")), _local_time(attempt.get("started_unix")),
+            _or_dash(attempt.get("launcher")), _or_dash(attempt.get("reason")),
+        ))
+    return [f"  {line}" for line in _columns(table, right={0, 1, 2, 3}, width=WIDTH - 2)]
+
+
+def _render_history(history: dict[str, Any]) -> list[str]:
+    lines = [f"history   {history['records']} records ({history['train_records']} train, "
+             f"{history['val_records']} validation)"]
+    first, last = history["first_train"], history["last_train"]
+    if first is not None:
+        lines.append(f"  train_loss  {first['train_loss']:.4f} at step {first.get('step')} -> "
+                     f"{last['train_loss']:.4f} at step {last.get('step')}")
+    if history["last_val"] is not None:
+        val_keys = sorted((key for key in history["last_val"] if key.startswith("val_")), key=lambda k: (k != "val_loss", k))
+        metrics = ", ".join(f"{key} {_number(history['last_val'][key])}" for key in val_keys)
+        lines += _wrap(f"  last val    step {history['last_val'].get('step')}: {metrics}", subsequent=" " * 14)
+    return lines
+
+
+def export_document(
+    store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out: str, fmt: str
+) -> dict[str, Any]:
+    """Write the model weights of one snapshot to `out` as a plain state_dict (torch or safetensors)."""
+    if fmt == "safetensors":
+        try:
+            from safetensors.torch import save as safetensors_bytes
+        except ImportError:
+            raise ElastictrainError(
+                "--format safetensors needs the safetensors package, which is not installed; "
+                "pip install safetensors, or export in the default torch format"
+            ) from None
+    from .snapshot import MODEL_OBJECT
+
+    manifest, payload = select(store, listings, step)
+    where = f"snapshot {store.url}/{manifest.snapshot_id}"
+    weights = _load(payload, "model", where)
+    if not all(hasattr(value, "numel") for value in weights.values()):
+        raise SnapshotError(f"{where}: '{MODEL_OBJECT}' is not a state_dict of tensors")
+    if fmt == "safetensors":
+        # safetensors refuses tensors that share memory (tied weights): give each its own copy.
+        data = safetensors_bytes(
+            {name: tensor.detach().clone().contiguous() for name, tensor in weights.items()},
+            metadata={"elastictrain_snapshot": f"{store.url}/{manifest.snapshot_id}", "step": str(manifest.step)},
+        )
+    else:
+        data = payload[MODEL_OBJECT]  # already exactly a torch.save'd state_dict, verified above
+    _write_atomically(Path(out), data)
+    return {
+        "url": store.url,
+        "snapshot_id": manifest.snapshot_id,
+        "step": manifest.step,
+        "out": str(out),
+        "format": fmt,
+        "size_bytes": len(data),
+        **_model_summary(weights),
+    }
+
+
+def render_export(document: dict[str, Any]) -> str:
+    return (
+        f"wrote {document['out']} ({document['format']}, {_human_bytes(document['size_bytes'])}): "
+        f"{document['tensors']} tensors, {document['parameters']:,} parameters from step {document['step']} "
+        f"({document['url']}/{document['snapshot_id']})"
+    )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise StorageError(f"cannot write {path} ({exc.strerror or exc}); check the --out path") from None
+
+
+def plot_document(store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out_dir: str) -> dict[str, Any]:
+    """Draw the history of one snapshot (the newest valid by default) as PNG files in `out_dir`."""
+    manifest, payload = select(store, listings, step)
+    where = f"snapshot {store.url}/{manifest.snapshot_id}"
+    state = _load(payload, "state", where)
+    records = list((state.get("history") or {}).get("records") or [])
+    if not records:
+        raise SnapshotError(f"{where} has no metric history to plot")
+    run_name = ((state.get("config") or {}).get("run") or {}).get("name")
+    try:
+        paths = write_plots(records, list(state.get("attempts") or []), out_dir, run_name=run_name)
+    except OSError as exc:
+        raise StorageError(f"cannot write plots into {out_dir} ({exc.strerror or exc}); check --out") from None
+    return {"url": store.url, "snapshot_id": manifest.snapshot_id, "step": manifest.step,
+            "files": [str(path) for path in paths]}
+
+
+def render_plot(document: dict[str, Any]) -> str:
+    return "\n".join([f"plotted step {document['step']} of {document['url']}:", *(f"  {p}" for p in document["files"])])
+
+
+# -- prune ------------------------------------------------------------------------------------
+
+def prune_document(store: SnapshotStore, listings: list[SnapshotListing], keep: int) -> dict[str, Any]:
+    """Keep the newest `keep` committed snapshots, and never delete the newest one that verifies."""
+    if keep < 1:
+        raise ElastictrainError(f"--keep must be at least 1, got {keep}")
+    manifest, _ = select(store, listings, None)
+    committed = [listing.step for listing in listings if listing.manifest is not None]
+    # If the newest snapshots are corrupt, pruning to `keep` could delete the only good one.
+    needed = len([step for step in committed if step >= manifest.step])
+    keep_last = max(keep, needed)
+    deleted = store.prune(keep_last)
+    remaining = [listing.step for listing in store.list_snapshots()]
+    return {
+        "url": store.url,
+        "keep": keep,
+        "kept_for_newest_valid": keep_last > keep,
+        "newest_valid_step": manifest.step,
+        "deleted": [int(snapshot_id.split("-", 1)[1]) for snapshot_id in deleted],
+        "remaining": remaining,
+    }
+
+
+def render_prune(document: dict[str, Any]) -> str:
+    deleted, remaining = document["deleted"], document["remaining"]
+    lines = _wrap(f"deleted {len(deleted)} snapshot(s) under {document['url']}" +
+                  (f": step {', '.join(map(str, deleted))}" if deleted else ""))
+    lines += _wrap(f"remaining {len(remaining)}: step {', '.join(map(str, remaining))}")
+    if document["kept_for_newest_valid"]:
+        lines += _wrap(f"kept more than --keep {document['keep']}: the newest valid snapshot is step "
+                       f"{document['newest_valid_step']}, newer ones do not verify")
+    return "\n".join(lines)
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+def _columns(table: list[tuple[str, ...]], right: set[int] = frozenset(), width: int = WIDTH) -> list[str]:
+    """Align a table; the last column is cut with '...' so each line fits `width`."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = []
+    for row in table:
+        cells = [cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        line = "  ".join(cells).rstrip()
+        lines.append(line if len(line) <= width else line[: width - 3] + "...")
+    return lines
+
+
+def _wrap(text: str, indent: str = "", subsequent: str | None = None) -> list[str]:
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=indent, subsequent_indent=indent + "    " if subsequent is None else subsequent,
+        break_long_words=False, break_on_hyphens=False,
+    ) or [indent]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    items = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            items += _flatten(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", _yaml_scalar(value)))
+    return items
+
+
+def _yaml_scalar(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _human_bytes(size: int | None) -> str:
+    if size is None:
+        return "-"
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
+
+
+def _local_time(unix: float | None) -> str:
+    return "-" if unix is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _iso(unix: float) -> str:
+    from datetime import datetime
+
+    return datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.1f}s" if isinstance(value, (int, float)) else str(value)
+
