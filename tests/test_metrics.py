@@ -100,6 +100,12 @@ CASES = {
         ("elastictrain_snapshot_failures_total", RUN, 0),
         ("elastictrain_preemptions_total", RUN, 0),
     ]),
+    # Mid-TRAIN only trained() moves the step: the last transition was at step 25.
+    "mid-train": (TRAIN_SNAPSHOT_EVALUATE[:9], False, [
+        ("elastictrain_global_step", RUN, 50),
+        ("elastictrain_train_metric", {**RUN, "name": "loss"}, 0.7),
+        ("elastictrain_state", {**RUN, "state": "train"}, 1),
+    ]),
     "per-node, failed snapshot, preempted": (FAILED_SNAPSHOT_THEN_PREEMPTED, True, [
         ("elastictrain_global_step", NODE1, 55),
         ("elastictrain_world_size", NODE1, 4),
