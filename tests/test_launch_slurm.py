@@ -1,0 +1,131 @@
+"""launch/slurm on a real one-node SLURM cluster (slurmctld, slurmd, munged) that the tests bring up.
+
+Template (b), plain srun with one task per worker, trains the default job to the end at a world
+size taken from SLURM_* variables; a second job, preempted with ``scancel --signal=TERM``,
+leaves a snapshot, exits 143, and the same command submitted again finishes with no lost step
+and the parameters of the unbroken run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from elastictrain.storage import SnapshotStore
+from tests.conftest import REPO_ROOT, JobResult, parse_job
+from tests.helpers.slurm import Job, SlurmCluster, SlurmUnavailable, ensure_installed
+from tests.test_launch_torchrun import expected_steps
+
+MULTI_NODE_SRUN = REPO_ROOT / "launch" / "slurm" / "multi_node_srun.sbatch"
+JOB_TIMEOUT_S = 120
+WORLD_SIZE = 2
+# The default job, shortened; log every 10 steps so a preemption can be aimed mid-run.
+OVERRIDES = ["train.max_epochs=3", "train.log_every_steps=10", "snapshot.every_steps=50"]
+# The template asks for 2 nodes x 8 GPUs; this cluster is one node with 2 CPUs. sbatch's
+# options override the template's #SBATCH lines; nothing in the file is edited.
+ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+PREEMPTED_AT = re.compile(r"state \w+ -> PREEMPTED at step (\d+)")
+PROGRESS = r"\bstep (\d+) epoch \d+"
+
+
+def preemption_has_landed() -> bool:
+    """The preemption contract (signal -> snapshot -> exit 143) exists once elastictrain installs a signal handler."""
+    package = REPO_ROOT / "elastictrain"
+    return any("signal.signal(" in path.read_text() for path in package.rglob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        install_s = ensure_installed()
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no SLURM here: {exc}")
+    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        start_s = slurm.start()
+        print(f"\nSLURM: apt install {install_s:.1f} s (0: already installed), cluster up in {start_s:.1f} s")
+        yield slurm
+    finally:
+        survivors = slurm.stop()
+    assert not survivors, f"SLURM processes still alive after stop(): {survivors}"
+
+
+@dataclass
+class SlurmRun:
+    job: Job
+    info: dict[str, str]
+    wall_s: float
+
+    @property
+    def result(self) -> JobResult:
+        return parse_job(self.job.output())
+
+
+def submit(cluster: SlurmCluster, work_dir: Path, name: str, extra: list[str] = ()) -> Job:
+    """Submit template (b) unchanged: 2 tasks, the default job, run directory in work_dir."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        # The template runs `python`: the interpreter of these tests, with this checkout importable.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return cluster.sbatch(
+        MULTI_NODE_SRUN, [f"run.dir={work_dir / 'run'}", *OVERRIDES, *extra],
+        options=[*ONE_NODE_TWO_TASKS, f"--job-name={name}", f"--chdir={work_dir}"],
+        env=env, output_path=work_dir / f"{name}.out",
+    )
+
+
+def run_to_end(cluster: SlurmCluster, job: Job) -> SlurmRun:
+    started = time.monotonic()
+    info = cluster.wait_job(job, JOB_TIMEOUT_S)
+    return SlurmRun(job, info, time.monotonic() - started)
+
+
+@pytest.fixture(scope="module")
+def unbroken(cluster, tmp_path_factory) -> SlurmRun:
+    run = run_to_end(cluster, submit(cluster, tmp_path_factory.mktemp("unbroken"), "unbroken"))
+    print(f"\nSLURM job {run.job.job_id}: submitted to {run.info['JobState']} in {run.wall_s:.1f} s (RunTime {run.info['RunTime']})")
+    return run
+
+
+def test_srun_template_trains_the_default_job_at_world_size_from_slurm(unbroken):
+    assert (unbroken.info["JobState"], unbroken.info["ExitCode"]) == ("COMPLETED", "0:0"), unbroken.job.output()[-4000:]
+    output = unbroken.job.output()
+    assert "launcher slurm" in output, "rank and world size must come from SLURM_* variables"
+    summary = unbroken.result.summary
+    assert summary["state"] == "DONE"
+    assert summary["world_size"] == str(WORLD_SIZE)
+    assert int(summary["step"]) == expected_steps(OVERRIDES, WORLD_SIZE)
+    assert re.fullmatch(r"[0-9a-f]{64}", summary["params_sha256"])
+
+
+@pytest.mark.skipif(not preemption_has_landed(), reason="the preemption contract (signal -> snapshot -> exit 143) is not in elastictrain yet")
+def test_preempted_job_exits_143_and_the_same_command_resumes_with_no_lost_step(cluster, unbroken, tmp_path):
+    job = submit(cluster, tmp_path, "preempted")
+    cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
+    # What a preemption or `scancel` sends: TERM to every task of the job's steps.
+    cluster.scancel(job, "--signal=TERM")
+    info = cluster.wait_job(job, JOB_TIMEOUT_S)
+    output = job.output()
+    assert "run summary: state=DONE" not in output, "the signal came after the job had finished; aim it earlier"
+    assert info["ExitCode"] == "143:0", f"{info['JobState']} {info['ExitCode']}\n{output[-4000:]}"
+    preempted_at = PREEMPTED_AT.findall(output)
+    assert len(preempted_at) == 1, output[-4000:]
+    stopped_step = int(preempted_at[0])
+
+    manifest, _ = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
+    assert manifest.step == stopped_step, "the preemption snapshot is the newest valid one"
+
+    again = run_to_end(cluster, submit(cluster, tmp_path, "resumed"))
+    assert (again.info["JobState"], again.info["ExitCode"]) == ("COMPLETED", "0:0"), again.job.output()[-4000:]
+    result = again.result
+    assert result.restored_steps == [stopped_step], "resumed exactly where the preempted job stopped"
+    assert result.summary["step"] == unbroken.result.summary["step"]
+    assert result.summary["params_sha256"] == unbroken.result.summary["params_sha256"]
