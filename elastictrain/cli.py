@@ -10,7 +10,8 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -87,9 +88,9 @@ def _command(commands, name: str, parents: list, summary: str, build: Callable) 
 def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
     from . import snapshot_tools
 
-    _warnings_to_stderr()
-    found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
-    document, render = build(snapshot_tools, args, found)
+    with _warnings_to_stderr():
+        found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
+        document, render = build(snapshot_tools, args, found)
     print(json.dumps(document, indent=2) if args.json else render(document))
     if document.get("newest_valid") is False:  # verify: the newest snapshot does not verify
         print(f"elastictrain: error: the newest snapshot under {args.url} (step {document['newest_step']}) is invalid",
@@ -119,16 +120,22 @@ def storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def _warnings_to_stderr() -> None:
-    # The store logs a snapshot it skips; say it as the one-line form users see from this CLI.
+@contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """While a snapshot command runs, library warnings (a skipped snapshot) print as one CLI line."""
     logger = logging.getLogger("elastictrain")
-    if not any(getattr(handler, "_elastictrain_cli", False) for handler in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("elastictrain: warning: %(message)s"))
-        handler._elastictrain_cli = True
-        logger.addHandler(handler)
-        logger.propagate = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("elastictrain: warning: %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:

@@ -74,11 +74,11 @@ def render_list(document: dict[str, Any]) -> str:
         )
         for row in rows
     ]
-    lines = [f"{len(rows)} snapshot(s) under {document['url']}", *_columns(table, right={0, 1, 3, 4})]
+    lines = [*_wrap(f"{len(rows)} snapshot(s) under {document['url']}"), *_columns(table, right={0, 1, 3, 4})]
     for row in rows:
         if not row["valid"]:
             lines += _wrap(f"step {row['step']}: {row['problem']}", indent="  ")
-    lines.append("(sizes checked; `elastictrain snapshots verify` reads every byte and checks sha256)")
+    lines.append("(sizes checked; `elastictrain snapshots verify` also checks every sha256)")
     return "\n".join(lines)
 
 
@@ -135,12 +135,13 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
 
 
 def render_verify(document: dict[str, Any]) -> str:
-    lines = [f"verified {len(document['snapshots'])} snapshot(s) under {document['url']}"]
+    lines = _wrap(f"verified {len(document['snapshots'])} snapshot(s) under {document['url']}")
     for row in document["snapshots"]:
         if row["valid"]:
             lines.append(f"  step {row['step']:>9}  ok   {row['objects']} objects, {_human_bytes(row['size_bytes'])}, sha256 match")
         else:
-            lines += _wrap(f"step {row['step']:>9}  BAD  {row['problem']}", indent="  ", subsequent="                   ")
+            lines.append(f"  step {row['step']:>9}  BAD")
+            lines += _wrap(row["problem"], indent="      ", subsequent="      ")
     if document["newest_valid"]:
         bad = len(document["invalid_steps"])
         lines.append(f"newest snapshot (step {document['newest_step']}) is valid" + (f"; {bad} older one(s) are not" if bad else ""))
@@ -193,7 +194,7 @@ def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
     state = _load(payload, "state", where)
     weights = _load(payload, "model", where)
     records = list((state.get("history") or {}).get("records") or [])
-    attempts = list(state.get("attempts") or [])
+    attempts = attempts_of(state)
     return {
         "url": store.url,
         "snapshot_id": manifest.snapshot_id,
@@ -214,6 +215,14 @@ def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
         "model": _model_summary(weights),
         "config": state.get("config"),
     }
+
+
+def attempts_of(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's attempts a snapshot records: ``attempts``, or ``run_log.attempts``; [] in older ones."""
+    attempts = state.get("attempts")
+    if attempts is None:
+        attempts = (state.get("run_log") or {}).get("attempts")
+    return list(attempts or [])
 
 
 def _history_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -242,7 +251,8 @@ def render_show(document: dict[str, Any]) -> str:
     progress, env, history = document["progress"] or {}, document["env"] or {}, document["history"]
     model = document["model"]
     objects = ", ".join(f"{name} {_human_bytes(size)}" for name, size in sorted(document["objects"].items()))
-    lines = [f"snapshot  {document['url']}/{document['snapshot_id']}" + ("" if document["newest"] else "  (not the newest)")]
+    lines = _wrap(f"snapshot  {document['url']}/{document['snapshot_id']}" + ("" if document["newest"] else "  (not the newest)"),
+                  subsequent=" " * 10)
     lines += _wrap(f"created   {_local_time(document['created_unix'])}, {_human_bytes(document['size_bytes'])} ({objects})")
     lines.append(
         f"progress  step {progress.get('global_step')}, epoch {progress.get('epoch')} "
@@ -279,7 +289,7 @@ def _render_attempts(attempts: list[dict[str, Any]], restarts: int) -> list[str]
             _or_dash(attempt.get("start_step")), _local_time(attempt.get("started_unix")),
             _or_dash(attempt.get("launcher")), _or_dash(attempt.get("reason")),
         ))
-    return [f"  {line}" for line in _columns(table, right={0, 1, 2, 3}, width=WIDTH - 2)]
+    return lines + [f"  {line}" for line in _columns(table, right={0, 1, 2, 3}, width=WIDTH - 2)]
 
 
 def _render_history(history: dict[str, Any]) -> list[str]:
@@ -336,11 +346,11 @@ def export_document(
 
 
 def render_export(document: dict[str, Any]) -> str:
-    return (
+    return "\n".join(_wrap(
         f"wrote {document['out']} ({document['format']}, {_human_bytes(document['size_bytes'])}): "
         f"{document['tensors']} tensors, {document['parameters']:,} parameters from step {document['step']} "
         f"({document['url']}/{document['snapshot_id']})"
-    )
+    ))
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -370,7 +380,7 @@ def plot_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
         raise SnapshotError(f"{where} has no metric history to plot")
     run_name = ((state.get("config") or {}).get("run") or {}).get("name")
     try:
-        paths = write_plots(records, list(state.get("attempts") or []), out_dir, run_name=run_name)
+        paths = write_plots(records, attempts_of(state), out_dir, run_name=run_name)
     except OSError as exc:
         raise StorageError(f"cannot write plots into {out_dir} ({exc.strerror or exc}); check --out") from None
     return {"url": store.url, "snapshot_id": manifest.snapshot_id, "step": manifest.step,
@@ -378,7 +388,7 @@ def plot_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
 
 
 def render_plot(document: dict[str, Any]) -> str:
-    return "\n".join([f"plotted step {document['step']} of {document['url']}:", *(f"  {p}" for p in document["files"])])
+    return "\n".join([*_wrap(f"plotted step {document['step']} of {document['url']}:"), *(f"  {p}" for p in document["files"])])
 
 
 # -- prune ------------------------------------------------------------------------------------
