@@ -1,15 +1,33 @@
-"""elastictrain: fault-tolerant, elastic training for PyTorch."""
+"""elastictrain: fault-tolerant, elastic training for PyTorch.
+
+The names below are imported on first use (PEP 562), so ``elastictrain --help``, a config error
+or ``elastictrain snapshots list`` answer without waiting seconds for torch to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .config import Config, load_config
-from .errors import ConfigError, DistributedSetupError, ElastictrainError, SnapshotError, StorageError
-from .loop import RunSummary, Trainer
-from .snapshot import seed_rng as seed_everything
-from .states import State
-from .task import Task
+_EXPORTS = {
+    "Config": "config", "load_config": "config",
+    "ConfigError": "errors", "DistributedSetupError": "errors", "ElastictrainError": "errors",
+    "PeerLost": "errors", "SnapshotError": "errors", "StorageError": "errors", "StorageUnavailable": "errors",
+    "RunSummary": "loop", "Trainer": "loop",
+    "Observer": "events",
+    "Preempted": "signals", "PREEMPTED_EXIT_CODE": "signals",
+    "State": "states",
+    "Task": "task",
+}
 
-__all__ = [
-    "Config", "ConfigError", "DistributedSetupError", "ElastictrainError", "RunSummary",
-    "SnapshotError", "State", "StorageError", "Task", "Trainer", "load_config", "seed_everything",
-]
+__all__ = sorted([*_EXPORTS, "seed_everything"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "seed_everything":
+        return importlib.import_module(".snapshot", __name__).seed_rng
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

@@ -16,6 +16,7 @@ count and the world size gives every attempt keys of its own.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import DistConfig
-from .errors import DistributedSetupError
+from .errors import DistributedSetupError, RepeatedFatalError
 
 log = logging.getLogger("elastictrain")
 
@@ -48,6 +49,7 @@ class LaunchEnv:
     restart_count: int = 0
     run_id: str = "local"
     uses_agent_store: bool = False
+    node_rank: int = 0  # GROUP_RANK under torchrun, SLURM_NODEID under srun
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -65,6 +67,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
                 uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                node_rank=int(env.get("GROUP_RANK", "0")),
             )
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             job_id = env.get("SLURM_JOB_ID", "0")
@@ -78,6 +81,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
                 restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
                 run_id=f"slurm-{job_id}",
+                node_rank=int(env.get("SLURM_NODEID", "0")),
             )
         if "RANK" in env and "WORLD_SIZE" in env:
             return LaunchEnv(
@@ -116,6 +120,10 @@ class DistContext:
     device: torch.device
     backend: str | None
     collective_timeout_s: float
+    # The launcher's store namespaced to this run (``elastictrain/<run id>/``): it outlives
+    # worker restarts under torchrun (the agent hosts it), so attempts can leave facts for the
+    # next one. None when there is no process group.
+    run_store: Any = None
 
     @property
     def rank(self) -> int:
@@ -143,13 +151,16 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
     else:
         distributed = bool(cfg.distributed)
     device = _choose_device(cfg.device, env.local_rank)
-    backend = None
+    backend, run_store = None, None
     if distributed:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and device.type != "cuda":
             raise DistributedSetupError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
-        _init_process_group(env, backend, device, cfg)
-    return DistContext(env, distributed, device, backend, cfg.collective_timeout_s)
+        base = _connect_store(env, cfg)
+        run_store = dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
+        check_no_fatal_error(run_store, env)
+        _init_process_group(env, base, backend, device, cfg)
+    return DistContext(env, distributed, device, backend, cfg.collective_timeout_s, run_store)
 
 
 def _choose_device(choice: str, local_rank: int) -> torch.device:
@@ -168,7 +179,7 @@ def _choose_device(choice: str, local_rank: int) -> torch.device:
     return device
 
 
-def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg: DistConfig) -> None:
+def _connect_store(env: LaunchEnv, cfg: DistConfig) -> Any:
     store_timeout = timedelta(seconds=cfg.init_timeout_s)
     try:
         if env.uses_agent_store:
@@ -188,6 +199,10 @@ def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg:
             f"within {cfg.init_timeout_s:g}s ({' '.join(str(exc).split())[:200]}); check MASTER_ADDR/MASTER_PORT "
             "and that the port is free and reachable"
         ) from None
+    return base
+
+
+def _init_process_group(env: LaunchEnv, base: Any, backend: str, device: torch.device, cfg: DistConfig) -> None:
     # See the module docstring: keys of their own for every attempt.
     prefix = f"elastictrain/{env.run_id}/restart-{env.restart_count}/world-{env.world_size}/"
     dist.init_process_group(
@@ -201,6 +216,32 @@ def _init_process_group(env: LaunchEnv, backend: str, device: torch.device, cfg:
     log.info(
         "process group %s up: rank %d of %d, restart %d, launcher %s",
         backend, env.rank, env.world_size, env.restart_count, env.launcher,
+    )
+
+
+FATAL_KEY = "fatal_error"
+
+
+def record_fatal_error(ctx: DistContext | None, error: Exception, exit_code: int) -> None:
+    """Leave a non-retryable error in the run's store, so later attempts stop at once instead of repeating it."""
+    if ctx is None or ctx.run_store is None:
+        return
+    try:
+        ctx.run_store.set(FATAL_KEY, json.dumps({"restart": ctx.env.restart_count, "rank": ctx.rank,
+                                                 "exit_code": exit_code, "kind": type(error).__name__}))
+    except Exception:  # the store's host may be gone too; the error itself was already logged
+        log.debug("could not record the fatal error in the run store", exc_info=True)
+
+
+def check_no_fatal_error(run_store: Any, env: LaunchEnv) -> None:
+    """Stop this attempt at once if an earlier one recorded an error that no restart can fix."""
+    if not run_store.check([FATAL_KEY]):
+        return
+    record = json.loads(run_store.get(FATAL_KEY))
+    raise RepeatedFatalError(
+        f"restart {env.restart_count} skipped: attempt {record['restart']} stopped on a {record['kind']} that a restart "
+        f"cannot fix (its message is above, from rank {record['rank']}); fix it and launch again",
+        record["exit_code"],
     )
 
 
@@ -277,6 +318,11 @@ def all_gather(obj: Any, ctx: DistContext) -> list[Any]:
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def all_reduce_sum_start(values: torch.Tensor, ctx: DistContext) -> Any:
+    """Start summing ``values`` (on the collective's device) over ranks in place; returns the Work to wait on."""
+    return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:

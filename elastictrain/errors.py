@@ -46,3 +46,17 @@ class DistributedSetupError(ElastictrainError):
     """The launch environment (torchrun, SLURM) is incomplete or inconsistent."""
 
     retryable = True  # a rendezvous store that is not up yet may be up at the next attempt
+
+
+class RepeatedFatalError(ElastictrainError):
+    """An earlier attempt of this job already failed on a non-retryable error; this one stops at once."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class PeerLost(ElastictrainError):
+    """A collective failed because another rank died or hung; the launcher restarts the group."""
+
+    retryable = True

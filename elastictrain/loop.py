@@ -1,9 +1,14 @@
 """The worker loop: one state machine, one snapshot, exact resume.
 
-``Trainer.fit`` runs SETUP -> RESTORE -> (TRAIN | EVALUATE | SNAPSHOT)* -> DONE. Each state is
-one method that does its work and returns the next state; ``decide`` (pure, table-tested) says
-what comes after training, evaluating or snapshotting, from the progress counters alone, so
-every rank takes the same path and a resumed worker takes the path an unbroken one would.
+``Trainer.fit`` runs SETUP -> RESTORE -> (TRAIN | EVALUATE | SNAPSHOT)* -> DONE, or PREEMPTED
+when a signal asks the job to stop. Each state is one method that does its work and returns the
+next state; ``decide`` (pure, table-tested) says what comes after training, evaluating or
+snapshotting, from the progress counters and the requests all ranks agreed on, so every rank
+takes the same path and a resumed worker takes the path an unbroken one would.
+
+The pieces the loop calls are small objects of their own: ``Snapshotter`` (save and restore),
+``StepVote`` (agreement on requests), ``PreemptionSignals`` and the ``Observers`` that metrics,
+goodput and plots attach to.
 """
 
 from __future__ import annotations
@@ -17,29 +22,20 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset
 
-from . import dist, errors
+from . import dist
 from .config import Config, load_config
 from .data import EvalBatchSampler, Shard, ShardedBatchSampler, batch_size_of, make_loader, steps_in_epoch, to_device
-from .errors import ConfigError, ElastictrainError, SnapshotError
-from .logs import progress_bar, setup_logging
+from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
+from .events import Observer, Observers, RunInfo, TrainInterval
+from .goodput import Goodput
+from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
-from .snapshot import (
-    FORMAT_VERSION,
-    MODEL_OBJECT,
-    STATE_OBJECT,
-    History,
-    Progress,
-    capture_rng,
-    load_model_weights,
-    load_object,
-    params_sha256,
-    restore_rng,
-    seed_rng,
-    writer_for,
-)
+from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, requeue_slurm_job
+from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
+from .snapshotter import Snapshotter
 from .states import State, StateMachine
-from .storage import Manifest, SnapshotStore
 from .task import Task, load_task, split_loss
+from .vote import Requests, StepVote
 
 log = logging.getLogger("elastictrain")
 
@@ -56,8 +52,14 @@ class Plan:
     snapshot_on_done: bool
 
 
-def decide(progress: Progress, plan: Plan, snapshot_requested: bool = False) -> State:
-    """What follows TRAIN, EVALUATE, SNAPSHOT or RESTORE, given where training is."""
+def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> State:
+    """What follows RESTORE, TRAIN, EVALUATE or SNAPSHOT, given where training is and what the ranks asked for."""
+    # ``last_snapshot_step`` is the step of the last snapshot *taken*, committed or not: a
+    # failed one is retried at the next interval, never in a loop at the same step.
+    snapshot_taken = progress.last_snapshot_step == progress.global_step
+    if requests.preempt:
+        # Stop with nothing lost: a snapshot of this very step first (none is needed at step 0).
+        return State.PREEMPTED if snapshot_taken or progress.global_step == 0 else State.SNAPSHOT
     finished = progress.epoch >= plan.max_epochs or (
         plan.max_steps is not None and progress.global_step >= plan.max_steps
     )
@@ -69,8 +71,8 @@ def decide(progress: Progress, plan: Plan, snapshot_requested: bool = False) -> 
     )
     if eval_due:
         return State.EVALUATE
-    snapshot_due = progress.last_snapshot_step != progress.global_step and (
-        snapshot_requested
+    snapshot_due = not snapshot_taken and (
+        (requests.snapshot and progress.global_step > 0)  # a fresh start at step 0 needs no snapshot
         or (plan.snapshot_every_steps > 0 and progress.global_step % plan.snapshot_every_steps == 0 and progress.global_step > 0)
         or (finished and plan.snapshot_on_done)
     )
@@ -85,20 +87,22 @@ class RunSummary:
     global_step: int
     epoch: int
     world_size: int
-    restart_count: int
+    restart_count: int  # the launcher's restarts of this attempt (torchrun/SLURM)
     train_loss: float | None
     val_loss: float | None
     val_metrics: dict[str, float] = field(default_factory=dict)
     params_sha256: str = ""
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # this attempt
+    attempts: int = 1  # launches and restarts of the whole run, relaunches included
+    run_wall_s: float = 0.0  # every attempt's time up to its last snapshot, plus this attempt
 
     def line(self) -> str:
         values = {"train_loss": self.train_loss, "val_loss": self.val_loss, **self.val_metrics}
         shown = " ".join(f"{k}={v:.4f}" for k, v in values.items() if v is not None)
         return (
             f"run summary: state={self.state} step={self.global_step} epoch={self.epoch} "
-            f"world_size={self.world_size} restart={self.restart_count} {shown} "
-            f"wall_s={self.wall_s:.1f} params_sha256={self.params_sha256}"
+            f"world_size={self.world_size} restart={self.restart_count} attempts={self.attempts} {shown} "
+            f"wall_s={self.wall_s:.1f} run_wall_s={self.run_wall_s:.1f} params_sha256={self.params_sha256}"
         )
 
 
@@ -108,6 +112,7 @@ class Trainer:
     Launch the script with ``torchrun``, ``srun`` or plain ``python``: the environment decides
     the rest (``dist.distributed`` overrides). ``config`` is a Config, a dict, a YAML path or
     None (the defaults); ``overrides`` are ``key.sub=value`` strings applied on top.
+    ``observers`` receive the run's events (see ``elastictrain.events``).
     """
 
     def __init__(
@@ -123,14 +128,21 @@ class Trainer:
         collate_fn: Callable | None = None,
         config: Config | dict | str | None = None,
         overrides: list[str] = (),
+        observers: list[Observer] = (),
     ) -> None:
         self.cfg = load_config(config, list(overrides))
         self.task = Task(model, optimizer, train_data, loss_fn, val_data, lr_scheduler, grad_scaler, collate_fn)
         self.progress = Progress()
         self.history = History()
+        self.run_log = RunLog()
+        self.goodput = Goodput()  # on every rank: its counters travel in the snapshot
         self.machine = StateMachine()
+        self.events = Observers([self.goodput, *observers])
+        self.signals = PreemptionSignals(self.cfg.preempt.signals)
         self.summary: RunSummary | None = None
+        self.machine.on()(self.events.transition)
         self.machine.on(dst=State.DONE)(self._summarize)
+        self.machine.on(dst=State.PREEMPTED)(self._preempted)
         self._actions: dict[State, Callable[[], State]] = {
             State.SETUP: self._setup,
             State.RESTORE: self._restore,
@@ -140,11 +152,12 @@ class Trainer:
         }
 
     @classmethod
-    def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: list[str] = ()) -> "Trainer":
+    def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: list[str] = (),
+                  observers: list[Observer] = ()) -> "Trainer":
         return cls(
             task.model, task.optimizer, task.train_data, task.loss_fn,
             val_data=task.val_data, lr_scheduler=task.lr_scheduler, grad_scaler=task.grad_scaler,
-            collate_fn=task.collate_fn, config=config, overrides=overrides,
+            collate_fn=task.collate_fn, config=config, overrides=overrides, observers=observers,
         )
 
     @classmethod
@@ -161,37 +174,64 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
 
     def fit(self) -> RunSummary:
+        """Train to the end; raises ``Preempted`` (a SystemExit with code 143) after a preemption snapshot."""
         self._started = time.monotonic()
+        self._started_unix = time.time()
         self.ctx: dist.DistContext | None = None
+        self.snapshots: Snapshotter | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
+        self.signals.install()
         try:
             while not self.machine.finished:
                 next_state = self._actions[self.machine.state]()
                 self.machine.transition(next_state, self.progress.global_step)
         except BaseException as exc:
-            where = (self._rank_label, self.machine.state.name, self.progress.global_step)
-            if isinstance(exc, ElastictrainError):
-                log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
-            else:
-                log.exception("rank %s failed in state %s at step %d", *where)
-            if not self.machine.finished:
-                self.machine.transition(State.FAILED, self.progress.global_step)
-            raise
+            self._fail(exc)
         finally:
-            if getattr(self, "_bar", None) is not None:
-                self._bar.close()
+            self.signals.uninstall()
+            if self.snapshots is not None:
+                self.snapshots.close()
+            self.events.closed()
             if self.ctx is not None:
                 dist.teardown(self.ctx)
+        if self.machine.state is State.PREEMPTED:
+            raise Preempted(self.signals.requested or "signal", self.progress.global_step)
         return self.summary
+
+    def _fail(self, exc: BaseException) -> None:
+        """Say in one line why this rank stopped (a traceback only for bugs), go to FAILED, re-raise."""
+        where = (self._rank_label, self.machine.state.name, self.progress.global_step)
+        replacement: BaseException | None = None
+        if isinstance(exc, RepeatedFatalError):
+            log.error("rank %s: %s", self._rank_label, exc)
+        elif isinstance(exc, ElastictrainError):
+            log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
+            if not exc.retryable:
+                dist.record_fatal_error(self.ctx, exc, exc.exit_code)
+        elif _is_peer_loss(exc):
+            reason = " ".join(str(exc).split())[:160]
+            replacement = PeerLost(
+                f"rank {self._rank_label} lost a peer in state {where[1]} at step {where[2]} ({reason}); "
+                "the launcher restarts the group from the newest snapshot"
+            )
+            log.error("%s", replacement)
+        else:
+            log.exception("rank %s failed in state %s at step %d", *where)
+        if not self.machine.finished:
+            self.machine.transition(State.FAILED, self.progress.global_step)
+        if replacement is not None:
+            raise replacement from None
+        raise exc
 
     # -- states -----------------------------------------------------------------------------
 
     def _setup(self) -> State:
         launch = dist.detect_launch_env()
         self._rank_label = str(launch.rank)
-        setup_logging(launch.rank, launch.restart_count, self.cfg.log)
+        setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
         self.ctx = dist.setup(self.cfg.dist)
         self.machine.log_transitions = self.ctx.is_main
+        self._attach_observers()
         train = self.cfg.train
         self.shard = Shard(self.ctx.rank, self.ctx.world_size, train.batch_size, train.grad_accum_steps)
         if steps_in_epoch(len(self.task.train_data), self.shard) == 0:
@@ -199,50 +239,51 @@ class Trainer:
                 f"the training set has {len(self.task.train_data)} samples, fewer than one optimizer step takes "
                 f"({self.shard.samples_per_step} = train.batch_size x world size x train.grad_accum_steps); lower train.batch_size"
             )
+        if self.ctx.distributed and self.cfg.snapshot.retry_for_s >= self.cfg.dist.collective_timeout_s:
+            # The other ranks wait for rank 0's commit in one collective.
+            raise ConfigError(
+                f"snapshot.retry_for_s={self.cfg.snapshot.retry_for_s:g} must be below dist.collective_timeout_s="
+                f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
+            )
         self.model = dist.wrap_model(self.task.model, self.ctx, self.cfg.dist)
         self.scaler = self.task.grad_scaler
         if self.scaler is None and train.autocast_dtype == "float16":
             self.scaler = torch.amp.GradScaler(self.ctx.device.type)
-        self.store = SnapshotStore(self.cfg.snapshot_url, self.cfg.snapshot.storage_options)
+        self.snapshots = Snapshotter(self.cfg, self.ctx, dist.unwrap(self.model), {
+            "optimizer": self.task.optimizer, "lr_scheduler": self.task.lr_scheduler, "grad_scaler": self.scaler,
+            "progress": self.progress, "history": self.history, "run_log": self.run_log, "goodput": self.goodput,
+        })
         self.plan = Plan(
             train.max_epochs, train.max_steps, train.eval_every_epochs, self.task.val_data is not None,
             self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
         )
+        self.vote = StepVote(self.ctx)
         self._train_sums = WeightedSums(self.ctx.device)
         self._batches: Iterator | None = None
         self._steps_left = 0
-        self._snapshot_requested = False
         self._last_snapshot_time = time.monotonic()
-        self._bar = None
+        self._interval = _Interval(self.progress.global_step, time.monotonic())
+        self._preempt_announced = False
+        self.events.started(RunInfo(
+            rank=self.ctx.rank, local_rank=self.ctx.env.local_rank, world_size=self.ctx.world_size,
+            node_rank=self.ctx.env.node_rank, restart_count=self.ctx.env.restart_count, launcher=self.ctx.env.launcher,
+            run_dir=self.cfg.run_dir, total_steps=self._total_steps(), store=self.ctx.run_store,
+        ))
         return State.RESTORE
 
     def _restore(self) -> State:
-        # Rank 0 alone reads and verifies storage and hands the bytes to every rank: one read
-        # per restore instead of one per rank, and every rank loads the very same snapshot.
-        found, error = None, None
-        if self.ctx.is_main:
-            try:
-                self.store.check_writable()
-                if self.cfg.snapshot.resume:
-                    found = self.store.latest_valid()
-                elif self.store.list_snapshots():
-                    # A fresh run writing beside another run's snapshots would mix the two.
-                    raise SnapshotError(
-                        f"snapshot.resume=false but {self.store.url} already holds snapshots; point snapshot.url "
-                        "(or run.name) somewhere empty, or remove them — nothing was deleted"
-                    )
-            except ElastictrainError as exc:
-                error = (type(exc).__name__, str(exc))
-        found, error = dist.broadcast_from_main((found, error), self.ctx)
-        if error is not None:
-            raise getattr(errors, error[0], ElastictrainError)(error[1])
-        if found is None:
+        restored = self.snapshots.restore()
+        if restored is None:
             seed_rng(self.cfg.run.seed + self.ctx.rank)
-            log.info("no snapshot at %s: starting fresh (world size %d)", self.store.url, self.ctx.world_size)
-        else:
-            self._load_snapshot(*found)
-        self._bar = progress_bar(self.cfg.log.progress_bar, self.ctx.is_main, self._total_steps(), self.progress.global_step)
-        return decide(self.progress, self.plan)
+            log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)
+        self.run_log.begin(
+            restart_count=self.ctx.env.restart_count, world_size=self.ctx.world_size,
+            start_step=self.progress.global_step, launcher=self.ctx.env.launcher, started_unix=self._started_unix,
+            restored=restored is not None,
+        )
+        self.events.restored(self.progress.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        self._interval = _Interval(self.progress.global_step, time.monotonic())
+        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
 
     def _train(self) -> State:
         self.model.train()
@@ -251,19 +292,23 @@ class Trainer:
                 self._open_epoch()
             # After a restore into a larger world the rest of an epoch can be under one step.
             if self._steps_left > 0:
+                step_started = time.perf_counter()
                 self._train_step()
+                self._interval.step_time_s += time.perf_counter() - step_started
                 self._steps_left -= 1
             epoch_ended = self._steps_left == 0
             if epoch_ended:
                 self._end_epoch()
             if epoch_ended or self.progress.global_step % self.cfg.train.log_every_steps == 0:
                 self._reduce_train_metrics()
-            next_state = decide(self.progress, self.plan, self._snapshot_requested)
+            # The vote posted now is read at the next boundary: it overlaps the next step.
+            requests = self.vote.post(self._local_requests())
+            next_state = decide(self.progress, self.plan, requests)
             if next_state is not State.TRAIN:
                 if self._train_sums.count:
                     self._reduce_train_metrics()
-                    next_state = decide(self.progress, self.plan, self._snapshot_requested)
-                return next_state
+                # Leave TRAIN with nothing in flight and everything every rank asked for.
+                return decide(self.progress, self.plan, requests | self.vote.settle(self._local_requests()))
 
     def _evaluate(self) -> State:
         model = dist.unwrap(self.model)  # no DDP here: shards may be uneven, so no per-forward collective
@@ -284,36 +329,74 @@ class Trainer:
         record = {f"val_{name}": value for name, value in means.items()}
         self.history.append(step=self.progress.global_step, epoch=self.progress.epoch, **record)
         log.info("evaluated at step %d (epoch %d): %s", self.progress.global_step, self.progress.epoch, _fmt(record))
+        self.events.evaluated(self.progress.global_step, self.progress.epoch, record)
         self.model.train()
-        return decide(self.progress, self.plan, self._snapshot_requested)
+        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
 
     def _snapshot(self) -> State:
-        started = time.monotonic()
         self.progress.last_snapshot_step = self.progress.global_step
-        rng_states = dist.gather_to_main(capture_rng(self.ctx.device), self.ctx)
-        if self.ctx.is_main:
-            manifest = self.store.commit(
-                self.progress.global_step,
-                {
-                    MODEL_OBJECT: writer_for(dist.unwrap(self.model).state_dict()),
-                    STATE_OBJECT: writer_for(self._state_dict(rng_states)),
-                },
-                meta={
-                    "epoch": self.progress.epoch,
-                    "epoch_offset": self.progress.epoch_offset,
-                    "world_size": self.ctx.world_size,
-                    "format_version": FORMAT_VERSION,
-                },
-            )
-            pruned = self.store.prune(self.cfg.snapshot.keep_last)
-            size = sum(entry.size for entry in manifest.objects.values())
-            log.info(
-                "snapshot %s/%s committed: %d bytes in %.3fs%s", self.store.url, manifest.snapshot_id, size,
-                time.monotonic() - started, f" (pruned {', '.join(pruned)})" if pruned else "",
-            )
-        self._snapshot_requested = False
+        self.run_log.current["wall_s"] = time.monotonic() - self._started
+        report = self.snapshots.save(self.progress.global_step, {
+            "epoch": self.progress.epoch, "epoch_offset": self.progress.epoch_offset, "world_size": self.ctx.world_size,
+        })
+        # Timed snapshots count from this attempt, committed or not: a store that is down is
+        # tried again one interval later, not at every step.
         self._last_snapshot_time = time.monotonic()
-        return decide(self.progress, self.plan)
+        self.events.snapshotted(report)
+        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+
+    def _attach_observers(self) -> None:
+        """Rank 0's progress report and plots; the Prometheus exporter where ``metrics`` asks for one."""
+        if self.ctx.is_main:
+            self.events.add(ProgressReport(self.cfg.log))
+            if self.cfg.log.plots:
+                self.machine.on(dst=State.DONE)(self._plot)
+        metrics = self.cfg.metrics
+        if metrics.port > 0 and (self.ctx.is_main or (metrics.per_node and self.ctx.env.local_rank == 0)):
+            from .metrics import PrometheusObserver  # binds the port now: a port in use fails before training
+
+            self.events.add(PrometheusObserver(metrics, goodput=self.goodput, run_name=self.cfg.run.name))
+
+    def _plot(self, src: State, dst: State, step: int) -> None:
+        from .plots import write_plots
+
+        out_dir = f"{self.cfg.run_dir}/plots"
+        try:
+            paths = write_plots(self.history.records, self.run_log.attempts, out_dir, run_name=self.cfg.run.name)
+        except ElastictrainError as exc:  # matplotlib missing: the run itself is fine
+            log.info("no plots: %s", exc)
+            return
+        log.info("plots of %d metric(s) in %s", len(paths), out_dir)
+
+    # -- requests every rank agrees on -----------------------------------------------------
+
+    def _local_requests(self) -> Requests:
+        if self.signals.requested is not None and not self._preempt_announced:
+            self._preempt_announced = True
+            log.warning("rank %d received %s at step %d: finishing the step, then a snapshot and exit %d",
+                        self.ctx.rank, self.signals.requested, self.progress.global_step, PREEMPTED_EXIT_CODE)
+            self.events.preempt_requested(self.signals.requested, self.progress.global_step)
+        every_s = self.cfg.snapshot.every_seconds
+        timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
+        return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired)
+
+    def _preempted(self, src: State, dst: State, step: int) -> None:
+        self.run_log.current["preempted"] = 1
+        if self.signals.repeats:
+            log.warning("rank %d: %d more signal(s) arrived while stopping; the snapshot was not interrupted",
+                        self.ctx.rank, self.signals.repeats)
+        if not self.ctx.is_main:
+            return
+        last = self.snapshots.last_committed
+        if last is not None and last[0] == step:
+            log.warning("preempted at step %d: snapshot committed, exiting with code %d; the same command resumes "
+                        "from step %d with nothing lost", step, PREEMPTED_EXIT_CODE, step)
+        else:
+            resume_step = last[0] if last is not None else 0
+            log.error("preempted at step %d, but its snapshot could not be committed; the next launch resumes "
+                      "from step %d (%d steps lost)", step, resume_step, step - resume_step)
+        if self.cfg.preempt.requeue:
+            requeue_slurm_job()
 
     # -- training steps -------------------------------------------------------------------
 
@@ -359,25 +442,26 @@ class Trainer:
         if self.task.lr_scheduler is not None and self.cfg.train.lr_scheduler_interval == "step":
             self.task.lr_scheduler.step()
         self.progress.advance(self.shard.samples_per_step)
-        if self._bar is not None:
-            self._bar.update(1)
 
     def _reduce_train_metrics(self) -> None:
-        # Rank 0's clock alone decides time-based snapshots; the flag rides in the metrics'
-        # all_reduce, so every rank agrees without a collective of its own.
-        every_s = self.cfg.snapshot.every_seconds
-        timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
-        means, (timer_votes,) = self._train_sums.reduce(self.ctx, [1.0 if timer_fired else 0.0])
-        self._snapshot_requested |= timer_votes > 0
+        # Each rank's mean step time rides in its own slot of the metrics' all_reduce, so rank 0
+        # sees every rank's (stragglers) without a collective of its own.
+        interval, now = self._interval, time.monotonic()
+        steps = self.progress.global_step - interval.start_step
+        step_times = [0.0] * self.ctx.world_size
+        step_times[self.ctx.rank] = interval.step_time_s / steps if steps else 0.0
+        means, step_times = self._train_sums.reduce(self.ctx, step_times)
+        self._interval = _Interval(self.progress.global_step, now)
         if not means:
             return
         record = {f"train_{name}": value for name, value in means.items()}
         record["lr"] = self.task.optimizer.param_groups[0]["lr"]
         self.history.append(step=self.progress.global_step, epoch=self.progress.epoch, **record)
-        if self._bar is not None:
-            self._bar.set_postfix(epoch=self.progress.epoch, loss=f"{means['loss']:.4f}")
-        else:
-            log.info("step %d epoch %d %s", self.progress.global_step, self.progress.epoch, _fmt(record))
+        self.events.trained(TrainInterval(
+            step=self.progress.global_step, epoch=self.progress.epoch, steps=steps,
+            samples=steps * self.shard.samples_per_step, elapsed_s=now - interval.started, metrics=record,
+            step_time_s_by_rank=step_times,
+        ))
 
     def _autocast(self) -> Any:
         dtype = self.cfg.train.autocast_dtype
@@ -390,73 +474,8 @@ class Trainer:
         total = per_epoch * self.cfg.train.max_epochs
         return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
 
-    # -- the snapshot ---------------------------------------------------------------------
-
-    def _state_dict(self, rng_states: list[dict]) -> dict[str, Any]:
-        """Everything but the model weights; the model is its own payload object."""
-        return {
-            "format_version": FORMAT_VERSION,
-            "optimizer": self.task.optimizer.state_dict(),
-            "lr_scheduler": self.task.lr_scheduler.state_dict() if self.task.lr_scheduler is not None else None,
-            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "progress": self.progress.state_dict(),
-            "history": self.history.state_dict(),
-            "rng": rng_states,
-            "config": self.cfg.to_dict(),
-            "env": {
-                "world_size": self.ctx.world_size,
-                "num_threads": torch.get_num_threads(),
-                "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
-            },
-        }
-
-    def _load_snapshot(self, manifest: Manifest, objects: dict[str, bytes]) -> None:
-        where = f"snapshot {self.store.url}/{manifest.snapshot_id}"
-        for name in (MODEL_OBJECT, STATE_OBJECT):
-            if name not in objects:
-                raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
-        weights = load_object(objects[MODEL_OBJECT], where, self.ctx.device)
-        state = load_object(objects[STATE_OBJECT], where, self.ctx.device)
-        if state.get("format_version") != FORMAT_VERSION:
-            raise SnapshotError(
-                f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
-                "use the elastictrain version that wrote it, or set snapshot.resume=false to start fresh"
-            )
-        load_model_weights(dist.unwrap(self.model), weights, where)
-        self.task.optimizer.load_state_dict(state["optimizer"])
-        for name, component in (("lr_scheduler", self.task.lr_scheduler), ("grad_scaler", self.scaler)):
-            if component is not None and state[name] is not None:
-                component.load_state_dict(state[name])
-            elif (component is None) != (state[name] is None):
-                log.warning("%s: %s is %s in the snapshot but %s in this run; it starts fresh", where, name,
-                            "absent" if state[name] is None else "present", "absent" if component is None else "present")
-        self.progress.load_state_dict(state["progress"])
-        self.history.load_state_dict(state["history"])
-        saved = state["env"]
-        if saved["world_size"] == self.ctx.world_size:
-            restore_rng(state["rng"][self.ctx.rank], self.ctx.device)
-        else:
-            # The data position re-shards exactly; per-rank random streams cannot, so they are
-            # re-seeded from the step (the same on every restart with this world size).
-            seed_rng(self.cfg.run.seed + self.ctx.rank + 1_000_003 * self.progress.global_step)
-            log.warning(
-                "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
-                "global batch is now %d, RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
-                where, saved["world_size"], self.ctx.world_size, self.progress.epoch_offset, self.progress.epoch,
-                self.shard.samples_per_step,
-            )
-        if saved["num_threads"] != torch.get_num_threads():
-            log.warning(
-                "%s was taken with %d intra-op threads, this worker has %d: float results can differ in the last bits; "
-                "set OMP_NUM_THREADS=%d for bitwise-identical resumes", where, saved["num_threads"],
-                torch.get_num_threads(), saved["num_threads"],
-            )
-        log.info(
-            "restored %s: step %d, epoch %d, sample %d of the epoch", where, self.progress.global_step,
-            self.progress.epoch, self.progress.epoch_offset,
-        )
-
     def _summarize(self, src: State, dst: State, step: int) -> None:
+        wall_s = time.monotonic() - self._started
         self.summary = RunSummary(
             state=dst.name,
             global_step=self.progress.global_step,
@@ -470,9 +489,31 @@ class Trainer:
                 if k.startswith("val_") and k != "val_loss"
             },
             params_sha256=params_sha256(dist.unwrap(self.model)),
-            wall_s=time.monotonic() - self._started,
+            wall_s=wall_s,
+            attempts=len(self.run_log.attempts),
+            run_wall_s=self.run_log.total("wall_s") - self.run_log.current["wall_s"] + wall_s,
         )
         log.info("%s", self.summary.line())
+
+
+@dataclass
+class _Interval:
+    """The log interval in progress: where it started and the time spent inside optimizer steps."""
+
+    start_step: int
+    started: float
+    step_time_s: float = 0.0
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    """A collective that failed because another rank went away (gloo/nccl errors, collective timeouts)."""
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "[/gloo/", "gloo/transport", "Timed out waiting")
+    )
 
 
 def _fmt(record: dict[str, float]) -> str:

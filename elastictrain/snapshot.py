@@ -84,6 +84,42 @@ class History:
         self.records = [dict(r) for r in state_dict["records"]]
 
 
+@dataclass
+class RunLog:
+    """One record per attempt (launch or restart) of this run, so run-level figures survive relaunches."""
+
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def begin(self, *, restart_count: int, world_size: int, start_step: int, launcher: str, started_unix: float,
+              restored: bool) -> dict[str, Any]:
+        if not restored:
+            reason = "fresh"
+        elif restart_count > 0:
+            reason = "restart"  # the launcher restarted the workers after a failure
+        else:
+            reason = "relaunch"  # a new launch (after preemption, a lost node, or by hand) resumed
+        attempt = {
+            "restart_count": restart_count, "world_size": world_size, "start_step": start_step,
+            "started_unix": started_unix, "launcher": launcher, "reason": reason,
+            "preempted": 0, "wall_s": 0.0,
+        }
+        self.attempts.append(attempt)
+        return attempt
+
+    @property
+    def current(self) -> dict[str, Any]:
+        return self.attempts[-1]
+
+    def total(self, key: str) -> float:
+        return sum(attempt.get(key, 0) for attempt in self.attempts)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"attempts": [dict(a) for a in self.attempts]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.attempts = [dict(a) for a in state_dict["attempts"]]
+
+
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """This rank's RNG states (python, numpy, torch CPU, and CUDA when used) in loadable types."""
     numpy_state = np.random.get_state(legacy=False)

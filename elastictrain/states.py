@@ -30,7 +30,8 @@ TERMINAL = frozenset({State.PREEMPTED, State.DONE, State.FAILED})
 # Every non-terminal state may also go to FAILED; it is added below, not repeated on each line.
 _EDGES: dict[State, frozenset[State]] = {
     State.SETUP: frozenset({State.RESTORE}),
-    State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.DONE}),
+    # RESTORE -> PREEMPTED: a signal before the first step, with the restored snapshot current.
+    State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
     State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
     State.EVALUATE: frozenset({State.TRAIN, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
     # PREEMPTED and DONE are entered after their snapshot is committed.

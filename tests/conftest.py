@@ -60,3 +60,11 @@ def parse_job(output: str) -> JobResult:
     assert found, "no run summary line in the output:\n" + output[-4000:]
     summary = dict(item.split("=", 1) for item in found[-1].split())
     return JobResult(output, summary, [int(s) for s in RESTORED.findall(output)])
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """One unbroken run of the traced test job (tests/helpers/jobs.py): what every faulted run must equal."""
+    from tests.helpers.jobs import run_reference
+
+    return run_reference(tmp_path_factory.mktemp("reference"))

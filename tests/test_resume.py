@@ -8,9 +8,7 @@ rank in the same order, with torchrun restarting exactly once per kill.
 from __future__ import annotations
 
 import os
-import re
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,51 +19,20 @@ from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 
-from tests.conftest import job_env, parse_job, python_command, torchrun_command
+from tests.conftest import parse_job
 from tests.helpers import procs
+from tests.helpers.jobs import SNAPSHOT_EVERY, TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
 
-SNAPSHOT_EVERY = 25
-# 1536 samples / (16 per rank x 2 ranks) = 48 steps an epoch; 5 epochs = 240 steps.
-JOB = [
-    "task.factory=tests.helpers.tasks:build",
-    "train.max_epochs=5",
-    "train.batch_size=16",
-    "train.log_every_steps=10",
-    f"snapshot.every_steps={SNAPSHOT_EVERY}",
-    # 509 validation samples in batches of 100: uneven shards and a short last batch per rank.
-    "task.args.val_samples=509",
-    "data.val_batch_size=100",
-]
-TIMEOUT_S = 120
-ATTEMPT_START = re.compile(r"\[elastictrain r0 a(\d+)\] INFO (?:restored snapshot \S+: step (\d+)|no snapshot at)")
-
-
-def start_steps(output: str) -> list[int]:
-    """The step each attempt began at (0 for a fresh start), in attempt order."""
-    return [int(step or 0) for _, step in ATTEMPT_START.findall(output)]
-
-
-def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False) -> procs.Launched:
-    overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
-    (workdir / "trace").mkdir(exist_ok=True)
-    command = python_command(overrides) if single_process else torchrun_command(overrides)
-    return procs.launch(command, log_path=workdir / f"{name}.log", env=job_env(), cwd=workdir)
-
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("reference")
-    job = launch_job(workdir, "job")
-    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
-    procs.kill_all_launched()
-    result = parse_job(job.output())
-    traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
-    assert all(len(t) == 1 for t in traces.values())
-    final_state = load_object(SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()[1]["model.pt"], "final")
-    return result, {rank: t[0] for rank, t in traces.items()}, final_state
+def reference(reference_run):
+    final_state = load_object(
+        SnapshotStore(str(reference_run.workdir / "run" / "snapshots")).latest_valid()[1]["model.pt"], "final"
+    )
+    return reference_run.result, reference_run.traces, final_state
 
 
 def test_reference_run_trains_every_sample_once_per_epoch(reference):

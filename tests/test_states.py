@@ -9,6 +9,7 @@ import pytest
 from elastictrain.loop import Plan, decide
 from elastictrain.snapshot import Progress
 from elastictrain.states import ALLOWED, TERMINAL, IllegalTransition, State, StateMachine
+from elastictrain.vote import Requests
 
 
 def test_every_state_has_a_row_and_terminals_lead_nowhere():
@@ -36,7 +37,8 @@ def test_legal_path_is_logged_with_step_and_fires_hooks(caplog):
 
 @pytest.mark.parametrize(
     "path, bad",
-    [([], State.TRAIN), ([State.RESTORE], State.PREEMPTED), ([State.RESTORE, State.DONE], State.TRAIN)],
+    [([], State.TRAIN), ([State.RESTORE, State.TRAIN], State.RESTORE), ([State.RESTORE, State.DONE], State.TRAIN),
+     ([State.RESTORE, State.PREEMPTED], State.SNAPSHOT)],
 )
 def test_illegal_transition_raises_naming_both_states(path, bad):
     machine = StateMachine()
@@ -46,6 +48,7 @@ def test_illegal_transition_raises_naming_both_states(path, bad):
         machine.transition(bad, 7)
 
 
+NONE, TIMER, PREEMPT = Requests(), Requests(snapshot=True), Requests(preempt=True)
 PLAN = Plan(max_epochs=2, max_steps=None, eval_every_epochs=1, has_val_data=True, snapshot_every_steps=10, snapshot_on_done=True)
 
 
@@ -58,21 +61,32 @@ def progress(**counters) -> Progress:
 @pytest.mark.parametrize(
     "counters, plan, requested, expected",
     [
-        ({}, PLAN, False, State.TRAIN),  # fresh start
-        ({"global_step": 7, "epoch_offset": 7}, PLAN, False, State.TRAIN),
-        ({"global_step": 10, "epoch_offset": 10}, PLAN, False, State.SNAPSHOT),  # every 10 steps
-        ({"global_step": 10, "epoch_offset": 10, "last_snapshot_step": 10}, PLAN, False, State.TRAIN),  # just taken
-        ({"global_step": 7, "epoch_offset": 7}, PLAN, True, State.SNAPSHOT),  # timer fired
-        ({"global_step": 12, "epoch": 1}, PLAN, False, State.EVALUATE),  # epoch boundary
-        ({"global_step": 12, "epoch": 1, "last_evaluated_step": 12}, PLAN, False, State.TRAIN),
-        ({"global_step": 20, "epoch": 1, "last_evaluated_step": 20}, PLAN, False, State.SNAPSHOT),  # eval then snapshot
-        ({"global_step": 24, "epoch": 2}, PLAN, False, State.EVALUATE),  # finished: final eval first
-        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24}, PLAN, False, State.SNAPSHOT),  # then final snapshot
-        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24, "last_snapshot_step": 24}, PLAN, False, State.DONE),
-        ({"global_step": 5, "epoch_offset": 5}, Plan(9, 5, 1, True, 0, False), False, State.EVALUATE),  # max_steps
-        ({"global_step": 5, "epoch_offset": 5, "last_evaluated_step": 5}, Plan(9, 5, 1, True, 0, False), False, State.DONE),
-        ({"global_step": 12, "epoch": 1}, Plan(2, None, 0, True, 0, True), False, State.TRAIN),  # eval only at the end
-        ({"global_step": 24, "epoch": 2}, Plan(2, None, 1, False, 0, False), False, State.DONE),  # no val data
+        ({}, PLAN, NONE, State.TRAIN),  # fresh start
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, NONE, State.TRAIN),
+        ({"global_step": 10, "epoch_offset": 10}, PLAN, NONE, State.SNAPSHOT),  # every 10 steps
+        ({"global_step": 10, "epoch_offset": 10, "last_snapshot_step": 10}, PLAN, NONE, State.TRAIN),  # just taken
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, TIMER, State.SNAPSHOT),  # timer fired
+        ({"global_step": 12, "epoch": 1}, PLAN, NONE, State.EVALUATE),  # epoch boundary
+        ({"global_step": 12, "epoch": 1, "last_evaluated_step": 12}, PLAN, NONE, State.TRAIN),
+        ({"global_step": 20, "epoch": 1, "last_evaluated_step": 20}, PLAN, NONE, State.SNAPSHOT),  # eval then snapshot
+        ({"global_step": 24, "epoch": 2}, PLAN, NONE, State.EVALUATE),  # finished: final eval first
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24}, PLAN, NONE, State.SNAPSHOT),  # then final snapshot
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24, "last_snapshot_step": 24}, PLAN, NONE, State.DONE),
+        ({"global_step": 5, "epoch_offset": 5}, Plan(9, 5, 1, True, 0, False), NONE, State.EVALUATE),  # max_steps
+        ({"global_step": 5, "epoch_offset": 5, "last_evaluated_step": 5}, Plan(9, 5, 1, True, 0, False), NONE, State.DONE),
+        ({"global_step": 12, "epoch": 1}, Plan(2, None, 0, True, 0, True), NONE, State.TRAIN),  # eval only at the end
+        ({"global_step": 24, "epoch": 2}, Plan(2, None, 1, False, 0, False), NONE, State.DONE),  # no val data
+        # a snapshot taken at this step that failed to commit is not retried at once
+        ({"global_step": 10, "epoch_offset": 10, "last_snapshot_step": 10}, PLAN, TIMER, State.TRAIN),
+        # preemption: a snapshot of this very step, then PREEMPTED; nothing is due before it
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, PREEMPT, State.SNAPSHOT),
+        ({"global_step": 7, "epoch_offset": 7, "last_snapshot_step": 7}, PLAN, PREEMPT, State.PREEMPTED),
+        ({}, PLAN, PREEMPT, State.PREEMPTED),  # before the first step there is nothing to save
+        ({"global_step": 12, "epoch": 1}, PLAN, PREEMPT, State.SNAPSHOT),  # the epoch's evaluation waits
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24, "last_snapshot_step": 24}, PLAN, PREEMPT,
+         State.PREEMPTED),
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, PREEMPT | TIMER, State.SNAPSHOT),
+        ({}, PLAN, TIMER, State.TRAIN),  # a fresh start needs no timed snapshot at step 0
     ],
 )
 def test_decide(counters, plan, requested, expected):

@@ -1,8 +1,11 @@
 """Test tasks: the built-in spirals task, small, with its sample order traced and a pause point for kills.
 
 A test that kills a worker needs the kill to land at a known step: the traced loss function
-writes its pid to a file and sleeps when it reaches ``pause_at_step`` on ``pause_rank``, the
-first time only (the pid file marks that it happened), so the test's SIGKILL hits that step.
+writes its pid to a file and waits when it reaches ``pause_at_step`` on ``pause_rank``, the
+first time only (the pid file marks that it happened), so the test's SIGKILL hits that step. A
+test that sends a catchable signal instead lets the step go on by creating the ``.resume``
+file next to the pid file. ``raise_rank``/``raise_at_step`` make a worker raise (a user bug),
+once per job.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ class IndexedDataset(Dataset):
         return (*self.inner[index], index)
 
 
-def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, **spiral_args) -> Task:
+def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
+          **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
     # One trace file per process, named so that sorting by name sorts by start time.
     trace_path = Path(trace_dir) / f"rank{rank}-{time.time_ns()}-pid{os.getpid()}.jsonl"
     pause_marker = Path(trace_dir) / f"paused-rank{pause_rank}.pid"
+    raise_marker = Path(trace_dir) / f"raised-rank{raise_rank}"
     calls = 0
 
     def traced_loss(model: torch.nn.Module, batch):
@@ -49,7 +54,13 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, **spira
                 trace.write(json.dumps({"call": calls, "indices": batch[2].tolist()}) + "\n")
             if str(pause_rank) == rank and calls == pause_at_step and not pause_marker.exists():
                 pause_marker.write_text(str(os.getpid()))
-                time.sleep(600)  # the test SIGKILLs this process here
+                resume = pause_marker.with_suffix(".resume")
+                deadline = time.monotonic() + 600
+                while not resume.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the test SIGKILLs or signals this process here
+            if str(raise_rank) == rank and calls == raise_at_step and not raise_marker.exists():
+                raise_marker.touch()
+                raise ValueError(f"a bug in the user's loss function at step {calls}")
         return spirals.cross_entropy_with_accuracy(model, batch)
 
     trace_path.touch()

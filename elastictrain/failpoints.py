@@ -1,0 +1,37 @@
+"""Named places where a test can stop a worker at the worst moment, as etcd's gofail does.
+
+A test that must SIGKILL rank 0 *while* a snapshot is being written cannot rely on timing: a
+snapshot of the test task takes milliseconds. Instead it sets ``ELASTICTRAIN_FAILPOINT`` to
+``<name>@<step>:<dir>`` and the worker, on reaching that failpoint at that step the first time,
+writes its pid to ``<dir>/failpoint-<name>.pid`` and waits, so the test's kill or signal lands
+exactly there; it goes on when the test creates ``<dir>/failpoint-<name>.resume``. The pid file
+makes it fire once per job, not again in the restarted attempt.
+Unset (always, outside tests), ``hit`` is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ENV = "ELASTICTRAIN_FAILPOINT"
+PAUSE_S = 600.0
+
+
+def hit(name: str, step: int) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    target, _, directory = spec.partition(":")
+    wanted_name, _, wanted_step = target.partition("@")
+    if wanted_name != name or (wanted_step and int(wanted_step) != step):
+        return
+    marker = Path(directory or ".") / f"failpoint-{name}.pid"
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    resume = marker.with_suffix(".resume")
+    deadline = time.monotonic() + PAUSE_S
+    while not resume.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the test kills or signals this process here

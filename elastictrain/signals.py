@@ -1,0 +1,90 @@
+"""Preemption: a signal in, a snapshot out.
+
+``PreemptionSignals`` replaces the handlers of the configured signals (SIGTERM, SIGINT, SIGUSR1
+by default) with one that only records which signal came. The loop reads ``requested`` at each
+step boundary and puts it into the per-step vote, so every rank agrees on the same step to stop
+at; rank 0 then commits a snapshot and the workers exit with ``PREEMPTED_EXIT_CODE``.
+
+Nothing is done inside the handler itself: a second signal while the snapshot is being written
+is recorded and otherwise ignored, so it cannot tear the write. The launcher's own deadline
+(torchrun's ``--shutdown-timeout``, SLURM's ``KillWait``, Kubernetes'
+``terminationGracePeriodSeconds``) is what ends a worker that cannot finish in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from typing import Any
+
+log = logging.getLogger("elastictrain")
+
+# 128 + SIGTERM: what a shell reports for a process ended by SIGTERM. torchrun counts it as a
+# failed attempt (and restarts if the agent itself is not shutting down), SLURM records the
+# job as failed unless it was requeued, and Kubeflow's `restartPolicy: ExitCode` treats
+# 128-255 as retryable: every launcher does what it would do for a terminated job, but
+# nothing is lost.
+PREEMPTED_EXIT_CODE = 143
+
+
+class Preempted(SystemExit):
+    """Raised by ``Trainer.fit()`` after a preemption snapshot: the process exits with code 143.
+
+    A SystemExit, so a script's ``trainer.fit()`` ends the program (nothing after it should run
+    on a stopped job) without a traceback; catch it to do something else.
+    """
+
+    def __init__(self, signal_name: str, step: int) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signal_name = signal_name
+        self.step = step
+
+
+class PreemptionSignals:
+    """Record the first of the configured signals; restore the previous handlers on ``uninstall``."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self.requested: str | None = None
+        self.repeats = 0  # further signals after the first, reported once the loop can log
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # Python delivers signals to the main thread only; a fit() in another thread keeps
+            # the process's handlers and cannot be preempted gracefully.
+            log.warning("Trainer.fit() is not running in the main thread: preemption signals are not handled")
+            return
+        for name in self.names:
+            signum = getattr(signal, name)
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+        else:
+            self.repeats += 1
+
+
+def requeue_slurm_job(environ: dict[str, str] | None = None) -> None:
+    """``scontrol requeue $SLURM_JOB_ID``: the job goes back to the queue and resumes from the snapshot."""
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID")
+    scontrol = shutil.which("scontrol")
+    if not job_id or scontrol is None:
+        log.warning("preempt.requeue=true but this is not a SLURM job (no SLURM_JOB_ID or scontrol); not requeued")
+        return
+    result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if result.returncode == 0:
+        log.info("SLURM job %s requeued; it resumes from the preemption snapshot", job_id)
+    else:
+        log.error("scontrol requeue %s failed (exit %d): %s", job_id, result.returncode, " ".join(result.stderr.split()))

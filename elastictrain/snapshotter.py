@@ -1,0 +1,287 @@
+"""Taking and restoring snapshots: from live objects to committed bytes and back, on every rank.
+
+``Snapshotter`` owns the whole path. Saving gathers every rank's RNG state on rank 0, which
+streams the model and every registered Stateful into the store (manifest last), prunes, and
+then tells every rank the outcome in one broadcast, so all ranks agree at once whether the
+snapshot exists and whether training goes on. Restoring has rank 0 read and verify the newest
+valid snapshot and hand its bytes to every rank, so every rank loads the very same one.
+
+A store that cannot be reached is retried by the store (with backoff, ``snapshot.retry_for_s``)
+and then given up *for this snapshot only*: training goes on, one warning says since when
+snapshots are behind, and the next interval tries again. A write that fails for good (disk
+full, permission denied) stops the run cleanly by default (``snapshot.on_error``).
+
+It imports nothing of the loop: the loop hands it the objects to save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import errors, failpoints
+from .config import Config
+from .dist import DistContext, broadcast_from_main, gather_to_main
+from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable
+from .events import SnapshotReport
+from .snapshot import (
+    FORMAT_VERSION,
+    MODEL_OBJECT,
+    STATE_OBJECT,
+    capture_rng,
+    load_model_weights,
+    load_object,
+    restore_rng,
+    seed_rng,
+    writer_for,
+)
+from .storage import Manifest, SnapshotStore
+
+log = logging.getLogger("elastictrain")
+
+# Components a user may add or drop between runs (a scheduler, a scaler): a mismatch is a
+# warning and the component starts fresh. Every other entry is ours and always present.
+_OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
+
+
+@dataclass(frozen=True)
+class Restored:
+    snapshot_id: str
+    step: int
+    saved_world_size: int
+    duration_s: float
+
+
+class Snapshotter:
+    """Save and restore the model plus every Stateful in ``statefuls`` (name -> object or None)."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model = model  # the unwrapped module: its weights are the model object
+        self.statefuls = statefuls
+        self.store = SnapshotStore(cfg.snapshot_url, cfg.snapshot.storage_options, retry_for_s=cfg.snapshot.retry_for_s)
+        self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
+        self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
+        self._lease: LeaseKeeper | None = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(self) -> Restored | None:
+        """Load the newest valid snapshot on every rank; None when training starts fresh."""
+        started = time.monotonic()
+        found, error = None, None
+        if self.ctx.is_main:
+            try:
+                self.store.check_writable()
+                self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
+                self._lease.start()
+                if self.cfg.snapshot.resume:
+                    found = self.store.latest_valid()
+                elif self.store.list_snapshots():
+                    # A fresh run writing beside another run's snapshots would mix the two.
+                    raise SnapshotError(
+                        f"snapshot.resume=false but {self.store.url} already holds snapshots; point snapshot.url "
+                        "(or run.name) somewhere empty, or remove them — nothing was deleted"
+                    )
+            except ElastictrainError as exc:
+                error = (type(exc).__name__, str(exc))
+        found, error = broadcast_from_main((found, error), self.ctx)
+        if error is not None:
+            raise getattr(errors, error[0], ElastictrainError)(error[1])
+        if found is None:
+            return None
+        manifest, objects = found
+        self._load(manifest, objects)
+        self.last_committed = (manifest.step, manifest.created_unix)
+        saved_world_size = int(manifest.meta.get("world_size", self.ctx.world_size))
+        return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
+
+    def _load(self, manifest: Manifest, objects: dict[str, bytes]) -> None:
+        where = f"snapshot {self.store.url}/{manifest.snapshot_id}"
+        for name in (MODEL_OBJECT, STATE_OBJECT):
+            if name not in objects:
+                raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
+        weights = load_object(objects[MODEL_OBJECT], where, self.ctx.device)
+        state = load_object(objects[STATE_OBJECT], where, self.ctx.device)
+        if state.get("format_version") != FORMAT_VERSION:
+            raise SnapshotError(
+                f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
+                "use the elastictrain version that wrote it, or set snapshot.resume=false to start fresh"
+            )
+        load_model_weights(self.model, weights, where)
+        for name, component in self.statefuls.items():
+            saved = state.get(name)
+            if component is not None and saved is not None:
+                component.load_state_dict(saved)
+            elif name in _OPTIONAL_COMPONENTS and (component is None) != (saved is None):
+                log.warning("%s: %s is %s in the snapshot but %s in this run; it starts fresh", where, name,
+                            "absent" if saved is None else "present", "absent" if component is None else "present")
+        progress = self.statefuls["progress"]
+        saved_env = state["env"]
+        if saved_env["world_size"] == self.ctx.world_size:
+            restore_rng(state["rng"][self.ctx.rank], self.ctx.device)
+        else:
+            # The data position re-shards exactly; per-rank random streams cannot, so they are
+            # re-seeded from the step (the same on every restart with this world size).
+            seed_rng(self.cfg.run.seed + self.ctx.rank + 1_000_003 * progress.global_step)
+            train = self.cfg.train
+            log.warning(
+                "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
+                "global batch is now %d, RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
+                where, saved_env["world_size"], self.ctx.world_size, progress.epoch_offset, progress.epoch,
+                train.batch_size * self.ctx.world_size * train.grad_accum_steps,
+            )
+        if saved_env["num_threads"] != torch.get_num_threads():
+            log.warning(
+                "%s was taken with %d intra-op threads, this worker has %d: float results can differ in the last bits; "
+                "set OMP_NUM_THREADS=%d for bitwise-identical resumes", where, saved_env["num_threads"],
+                torch.get_num_threads(), saved_env["num_threads"],
+            )
+        log.info("restored %s: step %d, epoch %d, sample %d of the epoch", where, progress.global_step,
+                 progress.epoch, progress.epoch_offset)
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport:
+        """Commit a snapshot of this step; every rank returns the same report (or raises the same error)."""
+        started = time.monotonic()
+        rng_states = gather_to_main(capture_rng(self.ctx.device), self.ctx)
+        outcome = self._commit(step, rng_states, meta, started) if self.ctx.is_main else None
+        # The one point where all ranks learn the outcome together: nobody trains on while
+        # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
+        committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
+        if stop:
+            raise StorageError(error)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error)
+
+    def _commit(self, step: int, rng_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
+        state = self._state_dict(rng_states)
+
+        def write_state(fileobj: Any) -> None:
+            failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
+            torch.save(state, fileobj)
+
+        writers = {MODEL_OBJECT: writer_for(self.model.state_dict()), STATE_OBJECT: write_state}
+        try:
+            manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION})
+        except StorageError as exc:
+            stop = not isinstance(exc, StorageUnavailable) and self.cfg.snapshot.on_error == "stop"
+            return False, 0, self._fell_behind(step, exc, stop), stop
+        self.last_committed = (step, manifest.created_unix)
+        try:
+            pruned = self.store.prune(self.cfg.snapshot.keep_last)
+        except StorageError as exc:  # old snapshots stay a little longer; the new one is safe
+            log.warning("snapshot %s committed, but pruning older ones failed: %s", manifest.snapshot_id, exc)
+            pruned = []
+        size = sum(entry.size for entry in manifest.objects.values())
+        log.info("snapshot %s/%s committed: %d bytes in %.3fs%s", self.store.url, manifest.snapshot_id, size,
+                 time.monotonic() - started, f" (pruned {', '.join(pruned)})" if pruned else "")
+        if self._behind_since is not None:
+            log.info("snapshots caught up at step %d after %.0f s behind", step, time.time() - self._behind_since[1])
+            self._behind_since = None
+        return True, size, None, False
+
+    def _fell_behind(self, step: int, exc: StorageError, stop: bool) -> str:
+        if self._behind_since is None:
+            self._behind_since = (step, time.time())
+        if self.last_committed is None:
+            last = "no snapshot of this run is committed yet"
+        else:
+            last_step, last_unix = self.last_committed
+            last = (f"the newest committed one is step {last_step} from {time.strftime('%H:%M:%S', time.localtime(last_unix))}, "
+                    f"{time.time() - last_unix:.0f} s ago")
+        if stop:
+            return (f"snapshot at step {step} failed: {exc}; stopping (snapshot.on_error=stop); {last}; "
+                    "the next launch resumes from it")
+        log.warning("snapshot at step %d not committed (%s); snapshots are behind since step %d: %s; training goes on "
+                    "and the next snapshot interval tries again", step, exc, self._behind_since[0], last)
+        return str(exc)
+
+    def _state_dict(self, rng_states: list[dict]) -> dict[str, Any]:
+        """Everything but the model weights; the model is its own payload object."""
+        return {
+            "format_version": FORMAT_VERSION,
+            **{name: (c.state_dict() if c is not None else None) for name, c in self.statefuls.items()},
+            "rng": rng_states,
+            "config": self.cfg.to_dict(redact=True),
+            "env": {
+                "world_size": self.ctx.world_size,
+                "num_threads": torch.get_num_threads(),
+                "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
+            },
+        }
+
+    def close(self) -> None:
+        if self._lease is not None:
+            self._lease.stop()
+            self._lease = None
+
+
+class LeaseKeeper:
+    """Holds the store's lease for this job on rank 0 and renews it from a daemon thread.
+
+    The token is shared by every attempt of one job (torchrun's agent store, or the SLURM job
+    id), so a restarted attempt takes its own lease over while another job is refused.
+    """
+
+    def __init__(self, store: SnapshotStore, cfg: Config, ctx: DistContext) -> None:
+        self.store = store
+        self.stale_after_s = cfg.snapshot.lease_stale_after_s
+        self.owner = {
+            "run_id": f"{cfg.run.name} ({ctx.env.launcher} {ctx.env.run_id})",
+            "token": _job_token(ctx),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_unix": time.time(),
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.stale_after_s <= 0:
+            return
+        self.store.acquire_lease(self.owner, self.stale_after_s)
+        self._thread = threading.Thread(target=self._renew, name="elastictrain-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        interval = max(1.0, self.stale_after_s / 4)
+        while not self._stop.wait(interval):
+            try:
+                self.store.renew_lease()
+            except ElastictrainError as exc:  # an outage: the lease ages; the next renewal may succeed
+                log.debug("lease renewal failed: %s", exc)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._thread = None
+        try:
+            self.store.release_lease()
+        except ElastictrainError as exc:
+            log.warning("could not release the snapshot store's lease (%s); it goes stale in %.0f s", exc, self.stale_after_s)
+
+
+def _job_token(ctx: DistContext) -> str:
+    if ctx.run_store is not None:
+        # compare_set sets the key only if it is absent: the first attempt's token wins for all.
+        return ctx.run_store.compare_set("lease_token", "", uuid.uuid4().hex).decode()
+    if ctx.env.launcher == "slurm":
+        return ctx.env.run_id  # slurm-<job id>: a requeued job keeps its id
+    return uuid.uuid4().hex

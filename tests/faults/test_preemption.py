@@ -1,0 +1,126 @@
+"""Preemption under real torchrun: a real signal in, a snapshot out, zero lost steps.
+
+Each test pauses a worker inside a known step (the test task waits in its loss function), sends
+a real signal to a real pid, lets the step finish, and checks: every rank stopped at the same
+step, rank 0 committed a snapshot of exactly that step, the workers exited with 143, and the
+next launch of the same command resumed there and ended bitwise equal to the unbroken run
+having trained every sample exactly once (the stitched per-rank traces equal the reference's).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from elastictrain.storage import SnapshotStore
+from tests.conftest import parse_job
+from tests.helpers import procs
+from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.tasks import read_traces, stitch
+
+pytestmark = pytest.mark.torchrun
+
+PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
+
+
+def pause_then(workdir: Path, job: procs.Launched, rank: int, send) -> int:
+    """Wait until ``rank`` pauses inside its step, call ``send(worker_pid)``, then let the step go on."""
+    marker = workdir / "trace" / f"paused-rank{rank}.pid"
+    pid = int(procs.wait_for_file(marker, TIMEOUT_S, job))
+    send(pid)
+    marker.with_suffix(".resume").touch()
+    return pid
+
+
+def assert_zero_lost_steps_and_bitwise(workdir: Path, reference, output: str, preempted_step: int) -> None:
+    result = parse_job(output)
+    assert result.summary["params_sha256"] == reference.result.summary["params_sha256"]
+    for rank in (0, 1):
+        attempts = read_traces(workdir / "trace", rank)
+        # Zero lost steps: the preempted attempt trained exactly up to the step it saved.
+        assert len(attempts[0]) == preempted_step, f"rank {rank} trained steps the snapshot does not hold"
+        assert stitch(attempts, [0, preempted_step]) == reference.traces[rank]
+
+
+def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaunch_loses_nothing(tmp_path, reference_run):
+    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=37"])
+    sent = []
+    pause_then(tmp_path, job, 0, lambda pid: (sent.append(time.monotonic()), os.kill(job.proc.pid, signal.SIGTERM)))
+    job.wait(TIMEOUT_S)
+    exited_s = time.monotonic() - sent[0]
+    output = job.output()
+    # The signal reached rank 0 inside step 37; the vote posted at that boundary is read at the
+    # next one, so every rank stops after step 38 and rank 0 commits exactly that step.
+    assert [int(s) for s in PREEMPTED.findall(output)] == [38], output[-3000:]
+    assert "state SNAPSHOT -> PREEMPTED at step 38" in output
+    assert SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()[0].step == 38
+    assert "Traceback" not in "\n".join(line for line in output.splitlines() if "[elastictrain r" in line)
+    print(f"SIGTERM to agent -> agent exited: {exited_s:.2f} s")
+
+    again = launch_job(tmp_path, "second")
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
+    assert start_steps(again.output()) == [38]
+    summary = parse_job(again.output()).summary
+    assert summary["attempts"] == "2", "the relaunch is the run's second attempt"
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, again.output(), 38)
+
+
+def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_restarts_with_nothing_lost(tmp_path, reference_run):
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61"])
+    pause_then(tmp_path, job, 1, lambda pid: os.kill(pid, signal.SIGTERM))
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    output = job.output()
+    assert [int(s) for s in PREEMPTED.findall(output)] == [62]
+    assert "rank 1 received SIGTERM at step 61" in output  # inside step 61, noticed at its end
+    # The workers left with 143; torchrun counted one failed attempt and restarted from step 62.
+    assert "failed (exitcode: 143)" in output
+    assert start_steps(output) == [0, 62]
+    assert parse_job(output).summary["restart"] == "1"
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, output, 62)
+
+
+def test_a_second_signal_during_the_snapshot_write_does_not_tear_it(tmp_path, reference_run):
+    """SIGTERM, then SIGTERM and SIGINT again while rank 0 is inside the preemption snapshot's write."""
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=20"],
+                     env={"ELASTICTRAIN_FAILPOINT": f"snapshot-write@21:{failpoints}"})
+    pause_then(tmp_path, job, 0, lambda pid: os.kill(pid, signal.SIGTERM))
+    writer_pid = int(procs.wait_for_file(failpoints / "failpoint-snapshot-write.pid", TIMEOUT_S, job))
+    os.kill(writer_pid, signal.SIGTERM)
+    os.kill(writer_pid, signal.SIGINT)
+    (failpoints / "failpoint-snapshot-write.resume").touch()
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    output = job.output()
+    assert [int(s) for s in PREEMPTED.findall(output)] == [21], output[-3000:]
+    assert "2 more signal(s) arrived while stopping; the snapshot was not interrupted" in output
+    # The snapshot of step 21 was committed whole: torchrun's restart restored it and lost nothing.
+    assert start_steps(output) == [0, 21]
+    assert "skipping snapshot" not in output
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, output, 21)
+
+
+def test_ctrl_c_in_a_plain_python_run_stops_cleanly_and_resumes(tmp_path):
+    """One process, no launcher: SIGINT is a preemption, not a page of KeyboardInterrupt tracebacks."""
+    unbroken = launch_job(tmp_path / "unbroken", "job", single_process=True) if (tmp_path / "unbroken").mkdir() is None else None
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
+
+    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=50"], single_process=True)
+    pause_then(tmp_path, job, 0, lambda pid: os.kill(pid, signal.SIGINT))
+    assert job.wait(TIMEOUT_S) == 143
+    output = job.output()
+    # Without a vote partner the request is seen at the boundary of the step it arrived in.
+    assert [int(s) for s in PREEMPTED.findall(output)] == [50]
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output
+
+    again = launch_job(tmp_path, "second", single_process=True)
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
+    assert parse_job(again.output()).summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
+    first, second = read_traces(tmp_path / "trace", 0)
+    assert len(first) == 50
+    assert stitch([first, second], [0, 50]) == read_traces(tmp_path / "unbroken" / "trace", 0)[0]

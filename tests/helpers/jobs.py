@@ -1,0 +1,61 @@
+"""The traced test job under real torchrun, shared by the resume and fault tests.
+
+One uninterrupted run of it is the reference (a session fixture in tests/conftest.py): every
+faulted run must end with the same params_sha256 and, stitched at the step each attempt
+restored, the very same samples on each rank in the same order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import job_env, parse_job, python_command, torchrun_command, JobResult
+from tests.helpers import procs
+from tests.helpers.tasks import read_traces
+
+SNAPSHOT_EVERY = 25
+STEPS_PER_EPOCH = 48
+# 1536 samples / (16 per rank x 2 ranks) = 48 steps an epoch; 5 epochs = 240 steps.
+JOB = [
+    "task.factory=tests.helpers.tasks:build",
+    "train.max_epochs=5",
+    "train.batch_size=16",
+    "train.log_every_steps=10",
+    f"snapshot.every_steps={SNAPSHOT_EVERY}",
+    # 509 validation samples in batches of 100: uneven shards and a short last batch per rank.
+    "task.args.val_samples=509",
+    "data.val_batch_size=100",
+]
+TIMEOUT_S = 120
+ATTEMPT_START = re.compile(r"\[elastictrain r0 a(\d+)\] INFO (?:restored snapshot \S+: step (\d+)|no snapshot at)")
+
+
+def start_steps(output: str) -> list[int]:
+    """The step each attempt began at (0 for a fresh start), in attempt order."""
+    return [int(step or 0) for _, step in ATTEMPT_START.findall(output)]
+
+
+def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False,
+               env: dict[str, str] | None = None, max_restarts: int = 3) -> procs.Launched:
+    overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
+    (workdir / "trace").mkdir(exist_ok=True)
+    command = python_command(overrides) if single_process else torchrun_command(overrides, max_restarts=max_restarts)
+    return procs.launch(command, log_path=workdir / f"{name}.log", env={**job_env(), **(env or {})}, cwd=workdir)
+
+
+@dataclass
+class Reference:
+    result: JobResult
+    traces: dict[int, list[list[int]]]  # rank -> sample indices of every step
+    workdir: Path
+
+
+def run_reference(workdir: Path) -> Reference:
+    job = launch_job(workdir, "job")
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    procs.kill_all_launched()
+    traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
+    assert all(len(t) == 1 for t in traces.values())
+    return Reference(parse_job(job.output()), {rank: t[0] for rank, t in traces.items()}, workdir)
