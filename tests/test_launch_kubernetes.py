@@ -1,0 +1,227 @@
+"""launch/kubernetes: every manifest validates, and each pod's command line trains when run here.
+
+No cluster runs here. Kubernetes resources are validated strictly (unknown fields fail)
+against the published schemas with kubernetes-validate. The PyTorchJob is a custom resource
+whose openAPIV3Schema no PyPI or Debian package ships (the kubeflow-training SDK has only the
+generated model classes; the CRD lives in the operator's repository): it is validated by
+deserialising it into the SDK's own model classes, which must take every field (a round trip
+that drops nothing), plus the operator's documented enums; its pod template is validated
+strictly as a core/v1 PodTemplate.
+
+Then the container's own command and args run as the "pods" of one job on 127.0.0.1: the
+environment the kubelet and the operator would give (the PET_* torchrun flags, $(VAR)
+expansion, secrets), with the rendezvous on loopback, one worker per pod instead of 8 GPUs, a
+local snapshot directory instead of S3, and a few steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT, parse_job
+from tests.helpers import procs
+from tests.helpers.agents import free_port
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate.utils", reason="the test extra installs kubernetes-validate")
+
+MANIFEST_DIR = REPO_ROOT / "launch" / "kubernetes"
+PYTORCHJOB = MANIFEST_DIR / "pytorchjob.yaml"
+INDEXED_JOB = MANIFEST_DIR / "indexed-job.yaml"
+# Oldest and newest Kubernetes versions the manifests are checked against: podFailurePolicy
+# with onPodConditions DisruptionTarget is GA from 1.31 on.
+KUBERNETES_VERSIONS = ["1.31.0", kubernetes_validate.latest_version()]
+TIMEOUT_S = 120
+STEPS = 20
+# The operator's enums (kubeflow.org/v1 types, quoted in the SDK's docstrings).
+RESTART_POLICIES = {"Always", "OnFailure", "Never", "ExitCode"}
+RDZV_BACKENDS = {"c10d", "etcd", "etcd-v2"}
+REPLICA_TYPES = {"Master", "Worker"}
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def all_manifests() -> list[Path]:
+    return sorted(MANIFEST_DIR.glob("*.yaml"))
+
+
+def test_every_manifest_is_covered():
+    assert set(all_manifests()) == {PYTORCHJOB, INDEXED_JOB}, "a new manifest needs its checks here"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", all_manifests(), ids=lambda p: p.name)
+def test_kubernetes_resources_validate_strictly(path, version):
+    for doc in documents(path):
+        if doc["kind"] == "PyTorchJob":
+            # The custom resource itself is checked below; its pod template is core/v1.
+            for replica_type, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+                pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                                "metadata": {"name": f"{doc['metadata']['name']}-{replica_type.lower()}"},
+                                "template": replica["template"]}
+                kubernetes_validate.validate(pod_template, version, strict=True)
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _quantities_as_strings(value, under_resources: bool = False):
+    """The SDK types resource quantities (``nvidia.com/gpu: 8``) as strings; compare them so."""
+    if isinstance(value, dict):
+        return {k: _quantities_as_strings(v, under_resources or k in ("limits", "requests")) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_quantities_as_strings(v, under_resources) for v in value]
+    return str(value) if under_resources and isinstance(value, (int, float)) else value
+
+
+def test_pytorchjob_matches_the_operator_sdk_models():
+    training = pytest.importorskip("kubeflow.training", reason="the test extra installs kubeflow-training (the operator's SDK)")
+    (job,) = [doc for doc in documents(PYTORCHJOB) if doc["kind"] == "PyTorchJob"]
+    client = training.ApiClient()
+    # ApiClient.deserialize takes an HTTP response; __deserialize is the same without one.
+    model = client._ApiClient__deserialize(job, "KubeflowOrgV1PyTorchJob")
+    assert isinstance(model, training.KubeflowOrgV1PyTorchJob)
+    round_trip = client.sanitize_for_serialization(model)
+    assert round_trip == _quantities_as_strings(job), "a field the SDK does not know was dropped (misspelt or misplaced)"
+
+    spec = model.spec
+    assert spec.run_policy is not None and set(spec.pytorch_replica_specs) <= REPLICA_TYPES
+    elastic = spec.elastic_policy
+    assert elastic.rdzv_backend in RDZV_BACKENDS
+    assert 1 <= elastic.min_replicas <= spec.pytorch_replica_specs["Worker"].replicas <= elastic.max_replicas
+    for replica in spec.pytorch_replica_specs.values():
+        assert replica.restart_policy in RESTART_POLICIES
+        assert isinstance(replica.replicas, int)
+        containers = replica.template.spec.containers
+        assert "pytorch" in [c.name for c in containers], "the operator injects its variables into the container named pytorch"
+
+
+def trainer_container(doc: dict) -> tuple[dict, dict]:
+    """(pod spec, the training container) of a PyTorchJob's Worker or a Job's pod template."""
+    if doc["kind"] == "PyTorchJob":
+        pod = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        name = "pytorch"
+    else:
+        pod = doc["spec"]["template"]
+        name = pod["spec"]["containers"][0]["name"]
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == name]
+    return pod, container
+
+
+@pytest.mark.parametrize("path", all_manifests(), ids=lambda p: p.name)
+def test_metrics_port_preemption_budget_and_secrets_fit_together(path):
+    doc = next(d for d in documents(path) if d["kind"] in ("PyTorchJob", "Job"))
+    pod, container = trainer_container(doc)
+    env = {e["name"]: e for e in container["env"]}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == env["METRICS_PORT"]["value"], "Prometheus must scrape the port elastictrain serves"
+    assert "metrics.port=$(METRICS_PORT)" in container["args"]
+    assert int(env["METRICS_PORT"]["value"]) in [p["containerPort"] for p in container["ports"]]
+
+    script = container["command"][2]
+    shutdown_timeout_s = int(re.search(r"--shutdown-timeout=(\d+)", script).group(1))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > shutdown_timeout_s, "the kubelet must not SIGKILL before torchrun's own deadline"
+    assert "SIGTERM" in re.search(r"--signals-to-handle=(\S+)", script).group(1)
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "secretKeyRef" in env[name]["valueFrom"], f"{name} comes from a Secret, never a literal"
+    if doc["kind"] == "PyTorchJob":
+        assert doc["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
+    else:
+        ignored = [r for r in doc["spec"]["podFailurePolicy"]["rules"] if r["action"] == "Ignore" and "onExitCodes" in r]
+        assert any(143 in r["onExitCodes"]["values"] for r in ignored), "a preempted pod (exit 143) must not count as a failure"
+
+
+def expand_kubelet_vars(text: str, env: dict[str, str]) -> str:
+    """$(NAME) -> env[NAME] where NAME is defined, $$ -> $, as the kubelet does for command and args."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def pod_environment(doc: dict, container: dict, tmp_path: Path, *, nnodes: str, endpoint: str) -> dict[str, str]:
+    """What a pod of this manifest sees, with the cluster-only parts replaced by local ones."""
+    env: dict[str, str] = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            env[entry["name"]] = f"test-{ref['name']}-{ref['key']}"  # unused: snapshots go to a local directory
+    if doc["kind"] == "PyTorchJob":
+        # What the operator injects from elasticPolicy (pkg/controller.v1/pytorch/elastic.go).
+        elastic = doc["spec"]["elasticPolicy"]
+        env.update({
+            "PET_RDZV_BACKEND": elastic["rdzvBackend"],
+            "PET_MAX_RESTARTS": str(elastic["maxRestarts"]),
+            "PET_NPROC_PER_NODE": doc["spec"]["nprocPerNode"],
+        })
+    env.update({
+        "PET_NNODES": nnodes,
+        "PET_RDZV_ENDPOINT": endpoint,
+        "PET_NPROC_PER_NODE": "1",  # one CPU worker per pod instead of one per GPU
+        # Stop waiting for more pods 1 s (not 30 s) after the minimum has joined.
+        "PET_RDZV_CONF": "last_call_timeout=1",
+        "PET_MONITOR_INTERVAL": "0.1",
+        "SNAPSHOT_URL": str(tmp_path / "snapshots"),
+        "METRICS_PORT": str(free_port()),
+        # The image's PATH and packages: this interpreter's torchrun, this checkout.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    })
+    return env
+
+
+def pod_command(container: dict, env: dict[str, str], extra_args: list[str]) -> list[str]:
+    return [expand_kubelet_vars(part, env) for part in [*container["command"], *container["args"]]] + extra_args
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("path", all_manifests(), ids=lambda p: p.name)
+def test_pod_command_line_trains_as_two_pods(path, tmp_path):
+    doc = next(d for d in documents(path) if d["kind"] in ("PyTorchJob", "Job"))
+    _, container = trainer_container(doc)
+    nnodes = (f"{doc['spec']['elasticPolicy']['minReplicas']}:{doc['spec']['elasticPolicy']['maxReplicas']}"
+              if doc["kind"] == "PyTorchJob" else container_env_value(container, "PET_NNODES"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    pods = []
+    for index in range(2):
+        env = pod_environment(doc, container, tmp_path, nnodes=nnodes, endpoint=endpoint)
+        command = pod_command(container, env, [f"train.max_steps={STEPS}", "log.plots=false"])
+        pods.append(procs.launch(command, log_path=tmp_path / f"pod-{index}.log", env=env, cwd=tmp_path))
+    codes = [pod.wait(TIMEOUT_S) for pod in pods]
+    output = "\n".join(pod.output() for pod in pods)
+    assert codes == [0, 0], output[-4000:]
+    summary = parse_job(output).summary
+    assert (summary["state"], summary["step"], summary["world_size"]) == ("DONE", str(STEPS), "2")
+    assert (tmp_path / "snapshots").is_dir(), "snapshot.url=$(SNAPSHOT_URL) must reach elastictrain"
+    assert all(pod.leftover_pids() == [] for pod in pods)
+
+
+def container_env_value(container: dict, name: str) -> str:
+    return next(e["value"] for e in container["env"] if e["name"] == name)
+
+
+@pytest.mark.torchrun
+def test_pod_exits_143_when_the_kubelet_sends_sigterm(tmp_path):
+    """torchrun exits 1 when signalled; the pod's PID 1 must turn a preemption into 143 (retryable)."""
+    doc = next(d for d in documents(PYTORCHJOB) if d["kind"] == "PyTorchJob")
+    _, container = trainer_container(doc)
+    env = pod_environment(doc, container, tmp_path, nnodes="1", endpoint=f"127.0.0.1:{free_port()}")
+    command = pod_command(container, env, ["train.max_epochs=100", "train.log_every_steps=5", "log.plots=false"])
+    pod = procs.launch(command, log_path=tmp_path / "pod.log", env=env, cwd=tmp_path)
+    pod.wait_for(lambda text: re.search(r"\bstep \d+ epoch", text) is not None, TIMEOUT_S, "training under way")
+    os.kill(pod.proc.pid, signal.SIGTERM)
+    assert pod.wait(TIMEOUT_S) == 143, pod.output()[-3000:]
+    deadline = time.monotonic() + procs.REAP_GRACE_S
+    while pod.leftover_pids() and time.monotonic() < deadline:
+        time.sleep(procs.POLL_INTERVAL_S)
+    assert pod.leftover_pids() == [], "torchrun and its workers must be gone when PID 1 exits"
