@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -91,7 +92,11 @@ def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
     with _warnings_to_stderr():
         found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
         document, render = build(snapshot_tools, args, found)
-    print(json.dumps(document, indent=2) if args.json else render(document))
+    try:
+        print(json.dumps(document, indent=2) if args.json else render(document), flush=True)
+    except BrokenPipeError:  # `elastictrain snapshots show URL | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet
+        return 0
     if document.get("newest_valid") is False:  # verify: the newest snapshot does not verify
         print(f"elastictrain: error: the newest snapshot under {args.url} (step {document['newest_step']}) is invalid",
               file=sys.stderr)

@@ -92,6 +92,8 @@ def test_list_has_one_row_per_step_prefix_and_flags_a_torn_one(store_dir):
     torn = snapshot_dir(store_dir, 120)  # a write killed before its manifest
     torn.mkdir()
     (torn / MODEL_OBJECT).write_bytes(b"half a model")
+    truncated = snapshot_dir(store_dir, 60) / STATE_OBJECT  # e.g. a disk that filled up under a copy
+    truncated.write_bytes(truncated.read_bytes()[:1000])
     done = elastictrain("snapshots", "list", store_dir)
     assert done.returncode == 0, done.stderr
     assert_fits_80_columns(done.stdout)
@@ -104,16 +106,22 @@ def test_list_has_one_row_per_step_prefix_and_flags_a_torn_one(store_dir):
         assert int(row[0]) == listing.step
         if listing.manifest is None:
             assert row[1:3] == ["-", "-"] and row[-1] == "NO"
+        elif listing.step == 60:
+            assert row[-1] == "NO"
         else:
             assert int(row[1]) == listing.manifest.meta["epoch"] and row[-2:] == ["1", "yes"]
     assert [int(row[0]) for row in rows] == [*SNAPSHOT_STEPS, 120]
     assert "step 120: no manifest (torn or in-progress write)" in done.stdout
+    assert "step 60: object 'state.pt' is 1000 bytes, the manifest says" in done.stdout
 
     document = json.loads(elastictrain("snapshots", "list", store_dir, "--json").stdout)
     by_step = {row["step"]: row for row in document["snapshots"]}
     assert sorted(by_step) == [*SNAPSHOT_STEPS, 120]
+    assert [step for step, row in by_step.items() if not row["valid"]] == [60, 120]
     for listing in store.list_snapshots()[:-1]:
         row = by_step[listing.step]
+        if listing.step == 60:
+            continue
         assert row["valid"] and row["epoch"] == listing.manifest.meta["epoch"]
         assert row["size_bytes"] == sum(entry.size for entry in listing.manifest.objects.values())
         assert row["created_unix"] == listing.manifest.created_unix
