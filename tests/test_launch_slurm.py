@@ -1,9 +1,10 @@
 """launch/slurm on a real one-node SLURM cluster (slurmctld, slurmd, munged) that the tests bring up.
 
 Template (b), plain srun with one task per worker, trains the default job to the end at a world
-size taken from SLURM_* variables; a second job, preempted with ``scancel --signal=TERM``,
-leaves a snapshot, exits 143, and the same command submitted again finishes with no lost step
-and the parameters of the unbroken run.
+size taken from SLURM_* variables. A job preempted with ``scancel --signal=TERM`` leaves a
+snapshot and exits 143, and the same command submitted again finishes with no lost step and
+the parameters of the unbroken run; with ``preempt.requeue=true`` a job sent USR1 requeues
+itself and finishes the same way.
 """
 
 from __future__ import annotations
@@ -30,14 +31,8 @@ OVERRIDES = ["train.max_epochs=3", "train.log_every_steps=10", "snapshot.every_s
 # The template asks for 2 nodes x 8 GPUs; this cluster is one node with 2 CPUs. sbatch's
 # options override the template's #SBATCH lines; nothing in the file is edited.
 ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
-PREEMPTED_AT = re.compile(r"state \w+ -> PREEMPTED at step (\d+)")
+PREEMPTED_AT = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 PROGRESS = r"\bstep (\d+) epoch \d+"
-
-
-def preemption_has_landed() -> bool:
-    """The preemption contract (signal -> snapshot -> exit 143) exists once elastictrain installs a signal handler."""
-    package = REPO_ROOT / "elastictrain"
-    return any("signal.signal(" in path.read_text() for path in package.rglob("*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -106,26 +101,43 @@ def test_srun_template_trains_the_default_job_at_world_size_from_slurm(unbroken)
     assert re.fullmatch(r"[0-9a-f]{64}", summary["params_sha256"])
 
 
-@pytest.mark.skipif(not preemption_has_landed(), reason="the preemption contract (signal -> snapshot -> exit 143) is not in elastictrain yet")
 def test_preempted_job_exits_143_and_the_same_command_resumes_with_no_lost_step(cluster, unbroken, tmp_path):
     job = submit(cluster, tmp_path, "preempted")
     cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
-    # What a preemption or `scancel` sends: TERM to every task of the job's steps.
+    # What `scancel` and a preemption send: TERM to every task of the job's steps.
     cluster.scancel(job, "--signal=TERM")
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
     output = job.output()
     assert "run summary: state=DONE" not in output, "the signal came after the job had finished; aim it earlier"
     assert info["ExitCode"] == "143:0", f"{info['JobState']} {info['ExitCode']}\n{output[-4000:]}"
-    preempted_at = PREEMPTED_AT.findall(output)
-    assert len(preempted_at) == 1, output[-4000:]
-    stopped_step = int(preempted_at[0])
-
+    stopped_step = preempted_step(output)
     manifest, _ = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
     assert manifest.step == stopped_step, "the preemption snapshot is the newest valid one"
 
     again = run_to_end(cluster, submit(cluster, tmp_path, "resumed"))
     assert (again.info["JobState"], again.info["ExitCode"]) == ("COMPLETED", "0:0"), again.job.output()[-4000:]
-    result = again.result
+    assert_resumed_without_loss(again.result, stopped_step, unbroken)
+
+
+def test_preempted_job_with_preempt_requeue_requeues_itself_and_finishes(cluster, unbroken, tmp_path):
+    job = submit(cluster, tmp_path, "requeued", ["preempt.requeue=true"])
+    cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
+    cluster.scancel(job, "--signal=USR1")  # what --signal=USR1@120 sends before the time limit
+    info = run_to_end(cluster, job).info
+    output = job.output()  # --open-mode=append: both attempts
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    assert info["Restarts"] == "1", "the job put itself back in the queue once"
+    assert_resumed_without_loss(parse_job(output), preempted_step(output), unbroken)
+
+
+def preempted_step(output: str) -> int:
+    found = PREEMPTED_AT.findall(output)
+    assert len(found) == 1, f"expected one preemption, found {found}\n{output[-4000:]}"
+    return int(found[0])
+
+
+def assert_resumed_without_loss(result: JobResult, stopped_step: int, unbroken: SlurmRun) -> None:
     assert result.restored_steps == [stopped_step], "resumed exactly where the preempted job stopped"
+    assert result.summary["state"] == "DONE"
     assert result.summary["step"] == unbroken.result.summary["step"]
-    assert result.summary["params_sha256"] == unbroken.result.summary["params_sha256"]
+    assert result.summary["params_sha256"] == unbroken.result.summary["params_sha256"], "no step lost or repeated"
