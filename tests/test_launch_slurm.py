@@ -123,6 +123,7 @@ def test_preempted_job_with_preempt_requeue_requeues_itself_and_finishes(cluster
     job = submit(cluster, tmp_path, "requeued", ["preempt.requeue=true"])
     cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
     cluster.scancel(job, "--signal=USR1")  # what --signal=USR1@120 sends before the time limit
+    cluster.start_requeued_now(job, JOB_TIMEOUT_S)
     info = run_to_end(cluster, job).info
     output = job.output()  # --open-mode=append: both attempts
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
