@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastictrain.storage import SnapshotStore
 from tests.conftest import REPO_ROOT, parse_job
 from tests.helpers import procs
 from tests.helpers.agents import free_port
@@ -221,6 +222,10 @@ def test_pod_exits_143_when_the_kubelet_sends_sigterm(tmp_path):
     pod.wait_for(lambda text: re.search(r"\bstep \d+ epoch", text) is not None, TIMEOUT_S, "training under way")
     os.kill(pod.proc.pid, signal.SIGTERM)
     assert pod.wait(TIMEOUT_S) == 143, pod.output()[-3000:]
+    preempted = re.findall(r"preempted at step (\d+): snapshot committed", pod.output())
+    assert len(preempted) == 1, "SIGTERM must reach the workers through torchrun and end in a preemption snapshot"
+    manifest, _ = SnapshotStore(env["SNAPSHOT_URL"]).latest_valid()
+    assert manifest.step == int(preempted[0])
     deadline = time.monotonic() + procs.REAP_GRACE_S
     while pod.leftover_pids() and time.monotonic() < deadline:
         time.sleep(procs.POLL_INTERVAL_S)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import inspect
+import re
+import signal
 import subprocess
 
 import pytest
 
 from elastictrain.config import load_config
+from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 from tests.conftest import parse_job
-from tests.helpers import procs
 from tests.helpers.agents import MULTI_NODE_SCRIPT, NodeGroup
 
 TIMEOUT_S = 120
+PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 
 def expected_steps(overrides: list[str], world_size: int) -> int:
@@ -44,6 +47,23 @@ def test_two_agents_are_two_nodes_of_one_job(tmp_path):
     assert int(result.summary["step"]) == expected_steps(overrides, world_size=2)
     assert output.count("run summary:") == 1, "only global rank 0 logs the summary"
     assert nodes.leftover_pids() == [], "every agent and worker must have exited"
+
+
+@pytest.mark.torchrun
+def test_usr1_to_the_agent_reaches_every_worker_and_leaves_a_snapshot(tmp_path):
+    """SLURM's time-limit warning is USR1: the script's torchrun must forward it (its default set lacks it)."""
+    run_dir = tmp_path / "run"
+    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", f"run.dir={run_dir}", "train.max_epochs=100",
+                                 "train.log_every_steps=5"], nnodes="1", nproc_per_node=2)
+    agent = nodes.launch(0)
+    agent.wait_for(lambda text: re.search(r"\bstep \d+ epoch", text) is not None, TIMEOUT_S, "training under way")
+    nodes.signal(0, signal.SIGUSR1)
+    assert nodes.wait(TIMEOUT_S) == {0: 1}, "torchrun exits 1 after a forwarded signal (launch/README.md)"
+    found = PREEMPTED.findall(agent.output())
+    assert len(found) == 1, agent.output()[-4000:]
+    manifest, _ = SnapshotStore(str(run_dir / "snapshots")).latest_valid()
+    assert manifest.step == int(found[0])
+    assert nodes.leftover_pids() == []
 
 
 def test_multi_node_script_refuses_to_start_without_endpoint_or_run_id(tmp_path):

@@ -244,7 +244,8 @@ class SlurmCluster:
         """Wait for the job to be back in the queue after a requeue, then make it eligible at once.
 
         SLURM holds a requeued job (Reason=BeginTime) for about 120 s before it may start
-        again (measured on 22.05); an administrator's `scontrol update StartTime=now` skips that.
+        again (measured on 22.05); an administrator's `scontrol update StartTime=now` skips
+        that, once the old attempt has left the node.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -254,6 +255,11 @@ class SlurmCluster:
             if info.get("JobState") in FINISHED_STATES or time.monotonic() > deadline:
                 raise AssertionError(f"job {job.job_id} was not requeued: {info.get('JobState')} Restarts={info.get('Restarts')}\n{job.output()[-3000:]}")
             time.sleep(POLL_INTERVAL_S)
+        # The old attempt must be gone from the node, and the new credential must be newer
+        # than the revocation of the old one: slurmd compares the two in whole seconds, and a
+        # launch within the same second is killed ("Job credential revoked").
+        self._wait(lambda: self._node_state() == "idle", timeout_s, "the node idle after the requeue")
+        time.sleep(1.1)
         run = subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=self.env(), capture_output=True, text=True)
         if run.returncode != 0:
             raise AssertionError(f"scontrol update JobId={job.job_id} StartTime=now: {run.stderr.strip()}")
