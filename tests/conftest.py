@@ -14,6 +14,8 @@ from tests.helpers import procs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["tests.helpers.s3"]  # s3_server, s3_bucket: a real SeaweedFS S3 server
+
 
 @pytest.fixture(autouse=True)
 def _reap():

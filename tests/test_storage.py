@@ -294,8 +294,9 @@ def test_commit_over_existing_prefix_replaces_stale_objects(store):
     assert store.read_verified("step-000000000010")[1] == {"model": b"new"}
 
 
-def test_writer_error_propagates_and_leaves_no_manifest(store):
+def test_writer_error_propagates_and_removes_its_own_torn_prefix(store):
     commit_small(store, 10)
+    make_torn(store, 5)  # another prefix: a failed commit touches only its own
 
     def broken_writer(handle):
         handle.write(b"partial")
@@ -304,9 +305,9 @@ def test_writer_error_propagates_and_leaves_no_manifest(store):
     with pytest.raises(ValueError, match="bug in state_dict"):
         store.commit(20, {"a": write_bytes(b"fine"), "b": broken_writer}, meta={})
 
-    assert not store.fs.exists(object_path(store, 20, MANIFEST_NAME))
+    assert not store.fs.exists(f"{store.root}/step-000000000020")
     listings = store.list_snapshots()
-    assert [(item.step, item.problem is None) for item in listings] == [(10, True), (20, False)]
+    assert [(item.step, item.problem is None) for item in listings] == [(5, False), (10, True)]
     assert store.latest_valid()[0].step == 10
 
 
@@ -335,7 +336,7 @@ def test_local_writer_error_leaves_no_temp_file(tmp_path):
 
     with pytest.raises(ValueError):
         store.commit(1, {"model": broken_writer}, meta={})
-    assert os.listdir(tmp_path / "step-000000000001") == []
+    assert os.listdir(tmp_path) == []
 
 
 def test_check_writable_reports_url_when_path_is_unusable(tmp_path):
