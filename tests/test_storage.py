@@ -8,6 +8,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import subprocess
 import uuid
 
 import fsspec
@@ -359,3 +361,41 @@ def test_commit_to_unusable_path_raises_storage_error(tmp_path):
 
     with pytest.raises(StorageError, match="step-000000000001"):
         SnapshotStore(url).commit(1, {"model": write_bytes(b"x")}, meta={})
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 600 KiB tmpfs: a real device that fills up (needs root; skipped where mount is not permitted)."""
+    mount_point = tmp_path / "small-device"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip() or result.returncode}); the disk-full test needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_disk_full_is_one_clear_error_and_earlier_snapshots_stay_intact(small_tmpfs):
+    url = str(small_tmpfs / "snapshots")
+    store = SnapshotStore(url)
+    for step in (10, 20):
+        commit_small(store, step)
+    free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
+    too_big = bytes(free + 200_000)
+
+    with pytest.raises(StorageError) as raised:
+        store.commit(30, {"model": write_bytes(b"fits"), "state": write_in_chunks(too_big)}, meta={})
+    message = str(raised.value)
+    assert "\n" not in message
+    needed = re.search(r"the device is full \(needed ~(\d+) bytes, (\d+) bytes free\)", message)
+    assert message.startswith(f"snapshot {url}/step-000000000030 could not be written: the device is full"), message
+    assert needed and int(needed.group(1)) == len(too_big) + len(b"fits")
+    assert message.endswith("free space or point snapshot.url elsewhere — earlier snapshots are intact")
+
+    assert sorted(os.listdir(url)) == ["step-000000000010", "step-000000000020"]  # no torn step-30 left
+    assert [item.step for item in store.list_snapshots()] == [10, 20]
+    assert store.read_verified("step-000000000010")[1] == {"model": b"model at step 10"}
+    assert store.latest_valid()[1] == {"model": b"model at step 20"}
