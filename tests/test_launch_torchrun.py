@@ -13,9 +13,11 @@ from elastictrain.config import load_config
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 from tests.conftest import parse_job
-from tests.helpers.agents import MULTI_NODE_SCRIPT, NodeGroup
+from tests.helpers import procs
+from tests.helpers.agents import MULTI_NODE_SCRIPT, TORCHRUN, NodeGroup
 
 TIMEOUT_S = 120
+SINGLE_NODE_SCRIPT = MULTI_NODE_SCRIPT.parent / "single_node.sh"
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 
@@ -64,6 +66,17 @@ def test_usr1_to_the_agent_reaches_every_worker_and_leaves_a_snapshot(tmp_path):
     manifest, _ = SnapshotStore(str(run_dir / "snapshots")).latest_valid()
     assert manifest.step == int(found[0])
     assert nodes.leftover_pids() == []
+
+
+@pytest.mark.torchrun
+def test_single_node_script_trains_one_worker_per_process_asked(tmp_path):
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.max_steps=20", "log.plots=false"]
+    env = {"TORCHRUN": TORCHRUN, "NPROC_PER_NODE": "2", "TORCHRUN_ARGS": "--monitor-interval=0.1"}
+    job = procs.launch(["bash", str(SINGLE_NODE_SCRIPT), "-m", "elastictrain", "train", *overrides],
+                       log_path=tmp_path / "job.log", env=env, cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    summary = parse_job(job.output()).summary
+    assert (summary["state"], summary["step"], summary["world_size"]) == ("DONE", "20", "2")
 
 
 def test_multi_node_script_refuses_to_start_without_endpoint_or_run_id(tmp_path):
