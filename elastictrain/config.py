@@ -67,6 +67,10 @@ class SnapshotConfig(_Section):
     on_error: Literal["stop", "continue"] = "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
     retry_for_s: PositiveFloat = 20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
     lease_stale_after_s: NonNegativeFloat = 60.0  # another run's store lease older than this is stale; 0: no lease
+    # Config keys that may differ from the snapshot's on resume although they change the run's
+    # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
+    # data.shuffle); a key here also accepts every key below it.
+    accept_changes: list[str] = Field(default_factory=list)
 
 
 class PreemptConfig(_Section):

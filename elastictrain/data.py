@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,54 @@ def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: in
         generator=generator,
         persistent_workers=False,
     )
+
+
+# Streams -------------------------------------------------------------------------------------
+#
+# An IterableDataset has no indices to permute: each rank reads its own share of a stream. Exact
+# resume then needs the stream's own position, which follows the ecosystem's convention
+# (torchdata's StatefulDataLoader, Hugging Face datasets): the dataset has ``state_dict()`` and
+# ``load_state_dict()``, saved per rank in the snapshot. ``set_epoch(epoch)``, if present, is
+# called at every epoch start (as for a DistributedSampler). Shards of a stream can be uneven: an
+# epoch ends for every rank as soon as one rank's share is exhausted (agreed in one small
+# all_reduce per step), so no rank waits in a collective for a batch that will never come.
+
+
+def is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, IterableDataset)
+
+
+def check_stream(dataset: Any, num_workers: int, max_steps: int | None) -> None:
+    """One clear line for a stream that cannot be resumed exactly."""
+    name = type(dataset).__name__
+    missing = [method for method in ("state_dict", "load_state_dict") if not callable(getattr(dataset, method, None))]
+    if missing:
+        raise ConfigError(
+            f"train_data is an IterableDataset ({name}) without {' and '.join(f'{m}()' for m in missing)}: its position "
+            "cannot be saved, so a restart could not continue where it stopped; give it state_dict()/load_state_dict() "
+            "returning and taking its position (see README, 'Streaming data'), or use a map-style Dataset"
+        )
+    if num_workers > 0:
+        raise ConfigError(
+            f"train_data is an IterableDataset ({name}) and data.num_workers={num_workers}: its position would live in "
+            "the worker processes and could not be saved; set data.num_workers=0 (or make it a map-style Dataset)"
+        )
+    if max_steps is None:
+        raise ConfigError(
+            f"train_data is an IterableDataset ({name}) with no length, so the run's length must be given: "
+            "set train.max_steps (train.max_epochs still ends the run after that many passes over the stream)"
+        )
+
+
+def make_stream_loader(dataset: IterableDataset, batch_size: int, epoch: int, seed: int, collate_fn: Any = None) -> DataLoader:
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+    # num_workers=0: the dataset's position is exactly the samples handed to training, so a
+    # snapshot between steps holds the true position. A generator of its own, as in make_loader,
+    # keeps the iterator from drawing from the global RNG (which a resumed run is elsewhere in).
+    return DataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def batch_size_of(batch: Any) -> int:

@@ -138,6 +138,13 @@ class DistContext:
         return self.rank == 0
 
 
+def planned_world_size(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> int:
+    """The world size ``setup`` will use, read from the launch environment without building anything."""
+    env = detect_launch_env(environ)
+    distributed = env.world_size > 1 if cfg.distributed == "auto" else bool(cfg.distributed)
+    return env.world_size if distributed else 1
+
+
 def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistContext:
     """Decide distributed or not, the device and backend, and initialise the process group."""
     env = detect_launch_env(environ)

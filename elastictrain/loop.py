@@ -13,6 +13,7 @@ goodput and plots attach to.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from contextlib import nullcontext
@@ -24,7 +25,18 @@ from torch.utils.data import Dataset
 
 from . import dist
 from .config import Config, load_config
-from .data import EvalBatchSampler, Shard, ShardedBatchSampler, batch_size_of, make_loader, steps_in_epoch, to_device
+from .data import (
+    EvalBatchSampler,
+    Shard,
+    ShardedBatchSampler,
+    batch_size_of,
+    check_stream,
+    is_stream,
+    make_loader,
+    make_stream_loader,
+    steps_in_epoch,
+    to_device,
+)
 from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
 from .events import Observer, Observers, RunInfo, TrainInterval
 from .goodput import Goodput
@@ -112,7 +124,9 @@ class Trainer:
     Launch the script with ``torchrun``, ``srun`` or plain ``python``: the environment decides
     the rest (``dist.distributed`` overrides). ``config`` is a Config, a dict, a YAML path or
     None (the defaults); ``overrides`` are ``key.sub=value`` strings applied on top.
-    ``observers`` receive the run's events (see ``elastictrain.events``).
+    ``lr_scheduler`` is a scheduler, or a factory ``(optimizer, total_steps) -> scheduler`` that
+    is called once the world size is known, with the number of ``scheduler.step()`` calls the
+    run will make (``total_steps``). ``observers`` receive the run's events (``elastictrain.events``).
     """
 
     def __init__(
@@ -166,6 +180,22 @@ class Trainer:
         cfg = load_config(config, list(overrides))
         seed_rng(cfg.run.seed)
         return cls.from_task(load_task(cfg.task), cfg)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run at this launch's world size (batch, accumulation, epochs, max_steps)."""
+        world_size = self.ctx.world_size if getattr(self, "ctx", None) is not None else dist.planned_world_size(self.cfg.dist)
+        train = self.cfg.train
+        if is_stream(self.task.train_data):
+            return train.max_steps  # a stream has no length; check_stream makes max_steps required
+        shard = Shard(0, world_size, train.batch_size, train.grad_accum_steps)
+        total = steps_in_epoch(len(self.task.train_data), shard) * train.max_epochs
+        return min(total, train.max_steps) if train.max_steps else total
+
+    @property
+    def scheduler_steps(self) -> int:
+        """How often ``lr_scheduler.step()`` is called in the run: per step, or per epoch (``train.lr_scheduler_interval``)."""
+        return self.total_steps if self.cfg.train.lr_scheduler_interval == "step" else self.cfg.train.max_epochs
 
     def on(self, src: State | None = None, dst: State | None = None) -> Callable:
         """Decorator: run ``hook(src, dst, step)`` on a transition (None matches any state)."""
@@ -234,7 +264,10 @@ class Trainer:
         self._attach_observers()
         train = self.cfg.train
         self.shard = Shard(self.ctx.rank, self.ctx.world_size, train.batch_size, train.grad_accum_steps)
-        if steps_in_epoch(len(self.task.train_data), self.shard) == 0:
+        self.stream = is_stream(self.task.train_data)
+        if self.stream:
+            check_stream(self.task.train_data, self.cfg.data.num_workers, train.max_steps)
+        elif steps_in_epoch(len(self.task.train_data), self.shard) == 0:
             raise ConfigError(
                 f"the training set has {len(self.task.train_data)} samples, fewer than one optimizer step takes "
                 f"({self.shard.samples_per_step} = train.batch_size x world size x train.grad_accum_steps); lower train.batch_size"
@@ -246,13 +279,16 @@ class Trainer:
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
         self.model = dist.wrap_model(self.task.model, self.ctx, self.cfg.dist)
+        if _is_scheduler_factory(self.task.lr_scheduler):
+            self.task.lr_scheduler = self.task.lr_scheduler(self.task.optimizer, self.scheduler_steps)
         self.scaler = self.task.grad_scaler
         if self.scaler is None and train.autocast_dtype == "float16":
             self.scaler = torch.amp.GradScaler(self.ctx.device.type)
         self.snapshots = Snapshotter(self.cfg, self.ctx, dist.unwrap(self.model), {
             "optimizer": self.task.optimizer, "lr_scheduler": self.task.lr_scheduler, "grad_scaler": self.scaler,
             "progress": self.progress, "history": self.history, "run_log": self.run_log, "goodput": self.goodput,
-        })
+        }, train_samples=None if self.stream else len(self.task.train_data),
+            rank_statefuls={"train_data": self.task.train_data} if self.stream else {})
         self.plan = Plan(
             train.max_epochs, train.max_steps, train.eval_every_epochs, self.task.val_data is not None,
             self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
@@ -267,7 +303,7 @@ class Trainer:
         self.events.started(RunInfo(
             rank=self.ctx.rank, local_rank=self.ctx.env.local_rank, world_size=self.ctx.world_size,
             node_rank=self.ctx.env.node_rank, restart_count=self.ctx.env.restart_count, launcher=self.ctx.env.launcher,
-            run_dir=self.cfg.run_dir, total_steps=self._total_steps(), store=self.ctx.run_store,
+            run_dir=self.cfg.run_dir, total_steps=self.total_steps, store=self.ctx.run_store,
         ))
         return State.RESTORE
 
@@ -293,9 +329,13 @@ class Trainer:
             # After a restore into a larger world the rest of an epoch can be under one step.
             if self._steps_left > 0:
                 step_started = time.perf_counter()
-                self._train_step()
-                self._interval.step_time_s += time.perf_counter() - step_started
-                self._steps_left -= 1
+                batches = self._next_batches()
+                if batches is None:  # a stream's epoch ended on some rank
+                    self._steps_left = 0
+                else:
+                    self._train_step(batches)
+                    self._interval.step_time_s += time.perf_counter() - step_started
+                    self._steps_left -= 1
             epoch_ended = self._steps_left == 0
             if epoch_ended:
                 self._end_epoch()
@@ -401,6 +441,11 @@ class Trainer:
     # -- training steps -------------------------------------------------------------------
 
     def _open_epoch(self) -> None:
+        if self.stream:
+            loader = make_stream_loader(self.task.train_data, self.cfg.train.batch_size, self.progress.epoch,
+                                        self.cfg.run.seed + self.progress.epoch, self.task.collate_fn)
+            self._batches, self._steps_left = iter(loader), _UNTIL_EXHAUSTED
+            return
         sampler = ShardedBatchSampler(
             len(self.task.train_data), self.shard, self.cfg.run.seed, self.progress.epoch,
             self.progress.epoch_offset, self.cfg.data.shuffle,
@@ -418,11 +463,23 @@ class Trainer:
         if self.task.lr_scheduler is not None and self.cfg.train.lr_scheduler_interval == "epoch":
             self.task.lr_scheduler.step()
 
-    def _train_step(self) -> None:
+    def _next_batches(self) -> list[Any] | None:
+        """The micro-batches of the next step; None when a stream's epoch ended (on any rank: all agree)."""
+        accum = self.cfg.train.grad_accum_steps
+        if not self.stream:
+            return [next(self._batches) for _ in range(accum)]
+        batches = list(itertools.islice(self._batches, accum))
+        # A short or missing batch ends the epoch, as an incomplete step does for map-style data.
+        ended = len(batches) < accum or any(batch_size_of(b) < self.cfg.train.batch_size for b in batches)
+        if self.ctx.distributed:
+            ended = dist.all_reduce_sum(torch.tensor([float(ended)], dtype=torch.float64), self.ctx).item() > 0
+        return None if ended else batches
+
+    def _train_step(self, batches: list[Any]) -> None:
         accum = self.cfg.train.grad_accum_steps
         optimizer, scaler = self.task.optimizer, self.scaler
-        for micro in range(accum):
-            batch = to_device(next(self._batches), self.ctx.device)
+        for micro, batch in enumerate(batches):
+            batch = to_device(batch, self.ctx.device)
             with dist.no_sync(self.model, skip_sync=micro < accum - 1):
                 with self._autocast():
                     loss, metrics = split_loss(self.task.loss_fn(self.model, batch))
@@ -469,11 +526,6 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=self.ctx.device.type, dtype=getattr(torch, dtype))
 
-    def _total_steps(self) -> int:
-        per_epoch = steps_in_epoch(len(self.task.train_data), self.shard)
-        total = per_epoch * self.cfg.train.max_epochs
-        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
-
     def _summarize(self, src: State, dst: State, step: int) -> None:
         wall_s = time.monotonic() - self._started
         self.summary = RunSummary(
@@ -496,6 +548,9 @@ class Trainer:
         log.info("%s", self.summary.line())
 
 
+_UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the stream does
+
+
 @dataclass
 class _Interval:
     """The log interval in progress: where it started and the time spent inside optimizer steps."""
@@ -503,6 +558,11 @@ class _Interval:
     start_step: int
     started: float
     step_time_s: float = 0.0
+
+
+def _is_scheduler_factory(candidate: Any) -> bool:
+    """A callable that is not itself a scheduler (schedulers have ``state_dict`` and are not callable)."""
+    return callable(candidate) and not hasattr(candidate, "state_dict")
 
 
 def _is_peer_loss(exc: BaseException) -> bool:

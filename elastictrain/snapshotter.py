@@ -52,6 +52,11 @@ log = logging.getLogger("elastictrain")
 # warning and the component starts fresh. Every other entry is ours and always present.
 _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
 
+# Config keys whose change makes a resume wrong: another data order, other data, another model
+# or another batch geometry inside one run. Any other change is logged in one line and applied.
+RESUME_CRITICAL_KEYS = ("run.seed", "task.factory", "task.args", "train.batch_size", "train.grad_accum_steps", "data.shuffle",
+                        "train_data.len")
+
 
 @dataclass(frozen=True)
 class Restored:
@@ -64,8 +69,12 @@ class Restored:
 class Snapshotter:
     """Save and restore the model plus every Stateful in ``statefuls`` (name -> object or None)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any],
+                 train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        # Statefuls whose state differs per rank (a stream's position), saved as one entry per rank.
+        self.rank_statefuls = rank_statefuls or {}
+        self.train_samples = train_samples  # the data position counts samples: another size is another dataset
         self.ctx = ctx
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
@@ -123,6 +132,9 @@ class Snapshotter:
                 "use the elastictrain version that wrote it, or set snapshot.resume=false to start fresh"
             )
         load_model_weights(self.model, weights, where)
+        self._check_config(state.get("config", {}), state["env"], where)
+        if self.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
+            _warn_on_changed_hyperparameters(self.statefuls["optimizer"], state["optimizer"], where)
         for name, component in self.statefuls.items():
             saved = state.get(name)
             if component is not None and saved is not None:
@@ -132,6 +144,14 @@ class Snapshotter:
                             "absent" if saved is None else "present", "absent" if component is None else "present")
         progress = self.statefuls["progress"]
         saved_env = state["env"]
+        for name, component in self.rank_statefuls.items():
+            if saved_env["world_size"] != self.ctx.world_size:
+                raise SnapshotError(
+                    f"{where} was taken with world size {saved_env['world_size']}, this run has {self.ctx.world_size}, "
+                    f"and {name} is a stream whose per-rank positions cannot be re-sharded; resume with "
+                    f"{saved_env['world_size']} workers, or use a map-style Dataset to change the world size"
+                )
+            component.load_state_dict(state["rank_states"][name][self.ctx.rank])
         if saved_env["world_size"] == self.ctx.world_size:
             restore_rng(state["rng"][self.ctx.rank], self.ctx.device)
         else:
@@ -154,13 +174,33 @@ class Snapshotter:
         log.info("restored %s: step %d, epoch %d, sample %d of the epoch", where, progress.global_step,
                  progress.epoch, progress.epoch_offset)
 
+    def _check_config(self, saved: dict[str, Any], saved_env: dict[str, Any], where: str) -> None:
+        """One line naming every key that changed since the snapshot; refuse the changes that make a resume wrong."""
+        changes = config_changes(saved, self.cfg.to_dict(redact=True))
+        if saved_env.get("train_samples") != self.train_samples and "train_samples" in saved_env:
+            changes["train_data.len"] = (saved_env["train_samples"], self.train_samples)
+        if not changes:
+            return
+        accepted = self.cfg.snapshot.accept_changes
+        critical = [key for key in changes if _under(key, RESUME_CRITICAL_KEYS) and not _under(key, accepted)]
+        if critical:
+            shown = ", ".join(f"{key}={changes[key][0]!r} (this run: {changes[key][1]!r})" for key in critical)
+            raise SnapshotError(
+                f"{where} was made with {shown}: resuming would change the data or the batch geometry in the middle "
+                f"of the run; start fresh with another run.name (or an empty snapshot.url), or accept it with "
+                f"snapshot.accept_changes=[{','.join(critical)}] — nothing was deleted"
+            )
+        log.warning("%s was made with another config; resuming with this run's: %s", where,
+                    ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items()))
+
     # -- save ---------------------------------------------------------------------------------
 
     def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport:
         """Commit a snapshot of this step; every rank returns the same report (or raises the same error)."""
         started = time.monotonic()
-        rng_states = gather_to_main(capture_rng(self.ctx.device), self.ctx)
-        outcome = self._commit(step, rng_states, meta, started) if self.ctx.is_main else None
+        mine = {"rng": capture_rng(self.ctx.device), **{n: c.state_dict() for n, c in self.rank_statefuls.items()}}
+        rank_states = gather_to_main(mine, self.ctx)
+        outcome = self._commit(step, rank_states, meta, started) if self.ctx.is_main else None
         # The one point where all ranks learn the outcome together: nobody trains on while
         # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
         committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
@@ -168,8 +208,8 @@ class Snapshotter:
             raise StorageError(error)
         return SnapshotReport(step, committed, time.monotonic() - started, size, error)
 
-    def _commit(self, step: int, rng_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
-        state = self._state_dict(rng_states)
+    def _commit(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
+        state = self._state_dict(rank_states)
 
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
@@ -211,17 +251,19 @@ class Snapshotter:
                     "and the next snapshot interval tries again", step, exc, self._behind_since[0], last)
         return str(exc)
 
-    def _state_dict(self, rng_states: list[dict]) -> dict[str, Any]:
+    def _state_dict(self, rank_states: list[dict]) -> dict[str, Any]:
         """Everything but the model weights; the model is its own payload object."""
         return {
             "format_version": FORMAT_VERSION,
             **{name: (c.state_dict() if c is not None else None) for name, c in self.statefuls.items()},
-            "rng": rng_states,
+            "rng": [ranks["rng"] for ranks in rank_states],
+            "rank_states": {name: [ranks[name] for ranks in rank_states] for name in self.rank_statefuls},
             "config": self.cfg.to_dict(redact=True),
             "env": {
                 "world_size": self.ctx.world_size,
                 "num_threads": torch.get_num_threads(),
                 "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
+                "train_samples": self.train_samples,
             },
         }
 
@@ -229,6 +271,52 @@ class Snapshotter:
         if self._lease is not None:
             self._lease.stop()
             self._lease = None
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, current value)}`` for every leaf that differs (missing reads as None)."""
+    old, new = _flatten(saved), _flatten(current)
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[key] = value
+    return flat
+
+
+def _under(key: str, prefixes: Any) -> bool:
+    return any(key == prefix or key.startswith(f"{prefix}.") for prefix in prefixes)
+
+
+def _warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+    """Loading the optimizer state brings the snapshot's lr, betas, ... back: say so when this run set others."""
+    differences = []
+    for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved.get("param_groups", []))):
+        for name, value in group.items():
+            if name in ("params", "initial_lr") or name not in saved_group:
+                continue
+            # A scheduler moves lr; what the user chose is its starting value.
+            before = saved_group.get("initial_lr", saved_group[name]) if name == "lr" else saved_group[name]
+            if _differs(value, before):
+                differences.append(f"{name} {before!r} -> {value!r}" + (f" (group {index})" if index else ""))
+    if differences:
+        log.warning("%s: the optimizer's hyperparameters differ from this run's (%s); the snapshot's values are "
+                    "restored with its state — start fresh (another run.name) to train with the new ones",
+                    where, ", ".join(differences))
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a != b
 
 
 class LeaseKeeper:

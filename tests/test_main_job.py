@@ -52,13 +52,12 @@ def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
     assert reference.wait(TIMEOUT_S) == 0, reference.output()[-3000:]
 
     faulted_dir = tmp_path / "faulted"
-    first = procs.launch(
-        single_process(faulted_dir, ["task.args.pause_rank=0", "task.args.pause_at_step=33"]),
-        log_path=tmp_path / "first.log", env=job_env(), cwd=tmp_path,
-    )
+    # The same command both times, as a user re-runs it; the pause happens once per job.
+    command = single_process(faulted_dir, ["task.args.pause_rank=0", "task.args.pause_at_step=33"])
+    first = procs.launch(command, log_path=tmp_path / "first.log", env=job_env(), cwd=tmp_path)
     procs.wait_for_file(faulted_dir / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
-    again = procs.launch(single_process(faulted_dir, []), log_path=tmp_path / "again.log", env=job_env(), cwd=tmp_path)
+    again = procs.launch(command, log_path=tmp_path / "again.log", env=job_env(), cwd=tmp_path)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-3000:]
 
     result = parse_job(again.output())
@@ -85,6 +84,11 @@ def test_user_script_handler_style(tmp_path, launcher):
     assert result.summary["world_size"] == str(world_size)
     assert result.summary["step"] == str(4 * 4096 // (16 * 2 * world_size))
     assert float(result.summary["val_accuracy"]) > 0.8
+    # The cosine schedule was built for this world size's step count: it falls all the way
+    # to zero at the last step and never climbs back (with T_max fixed it would at one worker).
+    _, objects = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
+    lrs = [record["lr"] for record in load_object(objects["state.pt"], "final")["history"]["records"] if "lr" in record]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 1e-9 and lrs[0] > 2.5e-3
 
 
 def test_readme_example_is_the_tested_script():

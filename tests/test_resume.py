@@ -78,7 +78,7 @@ def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, refer
     job.kill_all()
     assert job.leftover_pids() == []
 
-    relaunched = launch_job(tmp_path, "second")
+    relaunched = launch_job(tmp_path, "second", ["task.args.pause_rank=0", "task.args.pause_at_step=90"])  # the same command
     assert relaunched.wait(TIMEOUT_S) == 0, relaunched.output()[-4000:]
     result = parse_job(relaunched.output())
     assert start_steps(job.output()) == [0]
@@ -110,7 +110,7 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
     first = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=61"])
     procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
-    single = launch_job(tmp_path, "single", single_process=True)
+    single = launch_job(tmp_path, "single", ["task.args.pause_rank=0", "task.args.pause_at_step=61"], single_process=True)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     result = parse_job(single.output())
     assert result.restored_steps == [50]

@@ -48,7 +48,8 @@ def assert_zero_lost_steps_and_bitwise(workdir: Path, reference, output: str, pr
 
 
 def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaunch_loses_nothing(tmp_path, reference_run):
-    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=37"])
+    same_command = ["task.args.pause_rank=0", "task.args.pause_at_step=37"]  # the pause happens once per job
+    job = launch_job(tmp_path, "first", same_command)
     sent = []
     pause_then(tmp_path, job, 0, lambda pid: (sent.append(time.monotonic()), os.kill(job.proc.pid, signal.SIGTERM)))
     job.wait(TIMEOUT_S)
@@ -62,7 +63,7 @@ def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaun
     assert "Traceback" not in "\n".join(line for line in output.splitlines() if "[elastictrain r" in line)
     print(f"SIGTERM to agent -> agent exited: {exited_s:.2f} s")
 
-    again = launch_job(tmp_path, "second")
+    again = launch_job(tmp_path, "second", same_command)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
     assert start_steps(again.output()) == [38]
     summary = parse_job(again.output()).summary
@@ -110,7 +111,8 @@ def test_ctrl_c_in_a_plain_python_run_stops_cleanly_and_resumes(tmp_path):
     unbroken = launch_job(tmp_path / "unbroken", "job", single_process=True) if (tmp_path / "unbroken").mkdir() is None else None
     assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
 
-    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=50"], single_process=True)
+    same_command = ["task.args.pause_rank=0", "task.args.pause_at_step=50"]
+    job = launch_job(tmp_path, "first", same_command, single_process=True)
     pause_then(tmp_path, job, 0, lambda pid: os.kill(pid, signal.SIGINT))
     assert job.wait(TIMEOUT_S) == 143
     output = job.output()
@@ -118,7 +120,7 @@ def test_ctrl_c_in_a_plain_python_run_stops_cleanly_and_resumes(tmp_path):
     assert [int(s) for s in PREEMPTED.findall(output)] == [50]
     assert "KeyboardInterrupt" not in output and "Traceback" not in output
 
-    again = launch_job(tmp_path, "second", single_process=True)
+    again = launch_job(tmp_path, "second", same_command, single_process=True)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
     assert parse_job(again.output()).summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
     first, second = read_traces(tmp_path / "trace", 0)

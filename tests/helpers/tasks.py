@@ -6,6 +6,10 @@ first time only (the pid file marks that it happened), so the test's SIGKILL hit
 test that sends a catchable signal instead lets the step go on by creating the ``.resume``
 file next to the pid file. ``raise_rank``/``raise_at_step`` make a worker raise (a user bug),
 once per job.
+
+For hung and slow ranks: ``sleep_rank``/``sleep_at_step`` make a worker sleep forever inside its
+loss function (once per job: the ``slept-rank{r}`` marker); ``step_sleep_s`` slows every
+training step on every rank, ``slow_rank``/``slow_step_s`` one rank only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from elastictrain import Task
 from elastictrain.tasks import spirals
@@ -36,7 +40,8 @@ class IndexedDataset(Dataset):
 
 
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
-          **spiral_args) -> Task:
+          sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
+          slow_step_s: float = 0.0, **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
@@ -44,6 +49,7 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
     trace_path = Path(trace_dir) / f"rank{rank}-{time.time_ns()}-pid{os.getpid()}.jsonl"
     pause_marker = Path(trace_dir) / f"paused-rank{pause_rank}.pid"
     raise_marker = Path(trace_dir) / f"raised-rank{raise_rank}"
+    sleep_marker = Path(trace_dir) / f"slept-rank{sleep_rank}"
     calls = 0
 
     def traced_loss(model: torch.nn.Module, batch):
@@ -61,12 +67,56 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
             if str(raise_rank) == rank and calls == raise_at_step and not raise_marker.exists():
                 raise_marker.touch()
                 raise ValueError(f"a bug in the user's loss function at step {calls}")
+            if str(sleep_rank) == rank and calls == sleep_at_step and not sleep_marker.exists():
+                sleep_marker.touch()
+                while True:  # a deadlock in user code: only the watchdog (or a kill) ends this
+                    time.sleep(1)
+            time.sleep(step_sleep_s + (slow_step_s if str(slow_rank) == rank else 0.0))
         return spirals.cross_entropy_with_accuracy(model, batch)
 
     trace_path.touch()
     task.train_data = IndexedDataset(task.train_data)
     task.val_data = IndexedDataset(task.val_data)
     task.loss_fn = traced_loss
+    return task
+
+
+class SpiralStream(IterableDataset):
+    """A stream of indexed spiral samples: each epoch a new order, rank r reads every W-th sample.
+
+    Resumable the way streaming datasets are: ``state_dict()`` is (epoch, samples read by this
+    rank), ``load_state_dict`` continues from there, ``set_epoch`` starts a new pass.
+    """
+
+    def __init__(self, inner: Dataset, seed: int = 0) -> None:
+        self.inner, self.seed = inner, seed
+        self.epoch, self.position = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        order = torch.randperm(len(self.inner), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        mine = order[rank::world]
+        while self.position < len(mine):
+            index = mine[self.position]
+            self.position += 1
+            yield (*self.inner[index], index)
+
+
+def build_stream(trace_dir: str, **args) -> Task:
+    """The traced task of ``build`` with its training set as a stream (1537 samples: uneven shards)."""
+    task = build(trace_dir, **{"train_samples": 1537, **args})
+    task.train_data = SpiralStream(task.train_data.inner)
     return task
 
 

@@ -1,0 +1,90 @@
+"""One worker of the step-overhead benchmark: the same model, data and batch trained by a
+textbook DDP loop (``hand``) or by elastictrain with snapshots off (``elastictrain``).
+
+Both record a timestamp at every training forward on rank 0; the steady-state step time is the
+span between the forward of step ``--warmup`` and the last one, divided by the steps between.
+That span covers everything a step costs in each loop: data, forward, backward, the gradient
+all-reduce, the optimizer, and whatever the loop adds between steps (elastictrain's per-step
+vote, metric sums, the preemption check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+MODELS = {
+    "wide": lambda: nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10)),
+    "tiny": lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)),
+}
+FEATURES = {"wide": 1024, "tiny": 32}
+
+
+def dataset(model: str, samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(samples, FEATURES[model], generator=generator),
+                         torch.randint(0, 10, (samples,), generator=generator))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("hand", "elastictrain"), required=True)
+    parser.add_argument("--model", choices=tuple(MODELS), required=True)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    samples = args.steps * args.batch_size * world
+    torch.manual_seed(0)
+    model = MODELS[args.model]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stamps: list[float] = []
+
+    def loss_fn(module, batch):
+        stamps.append(time.perf_counter())
+        inputs, labels = batch
+        return F.cross_entropy(module(inputs), labels)
+
+    if args.mode == "hand":
+        dist.init_process_group("gloo")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        sampler = DistributedSampler(dataset(args.model, samples), shuffle=True, seed=0, drop_last=True)
+        loader = DataLoader(sampler.dataset, batch_size=args.batch_size, sampler=sampler)
+        for batch in loader:
+            loss = loss_fn(ddp, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+    else:
+        from elastictrain import Trainer
+
+        trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config={
+            "run": {"dir": args.run_dir},
+            "train": {"max_epochs": 1, "batch_size": args.batch_size, "log_every_steps": 50},
+            "snapshot": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0},
+            "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
+        })
+        trainer.fit()
+        rank = trainer.ctx.rank
+    if rank == 0:
+        span = stamps[-1] - stamps[args.warmup]
+        with open(args.out, "w") as out:
+            json.dump({"step_s": span / (len(stamps) - 1 - args.warmup), "steps": len(stamps)}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Step time of elastictrain against a textbook DDP loop: same model, data, batch and world size.
+
+Each repetition runs both under real ``torchrun --nproc-per-node=2`` (gloo, CPU), in alternating
+order, so load on the machine falls on both; the ratio is the median of elastictrain's
+steady-state step time over the textbook loop's. elastictrain runs with snapshots off but
+everything else on: the per-step vote (preemption and timed snapshots), metric sums, the
+goodput observer and the progress report.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = pathlib.Path(__file__).resolve().with_name("_overhead_worker.py")
+
+
+def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path) -> float:
+    out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", str(WORKER), f"--mode={mode}", f"--model={model}",
+               f"--steps={steps}", f"--out={out}", f"--run-dir={workdir / 'run'}"]
+    subprocess.run(command, check=True, cwd=REPO_ROOT, capture_output=True, timeout=600)
+    return json.loads(out.read_text())["step_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "step_overhead.json"))
+    args = parser.parse_args()
+    steps = {"wide": 200, "tiny": 600}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = pathlib.Path(tmp)
+        for model, n in steps.items():
+            times = {"hand": [], "elastictrain": []}
+            for repeat in range(args.repeats):
+                order = ("hand", "elastictrain") if repeat % 2 == 0 else ("elastictrain", "hand")
+                for mode in order:
+                    times[mode].append(run_once(mode, model, n, workdir))
+            ratios = [e / h for e, h in zip(times["elastictrain"], times["hand"], strict=True)]
+            results[model] = {
+                "hand_step_ms": [t * 1e3 for t in times["hand"]],
+                "elastictrain_step_ms": [t * 1e3 for t in times["elastictrain"]],
+                "median_ratio": statistics.median(ratios),
+                "ratio_of_medians": statistics.median(times["elastictrain"]) / statistics.median(times["hand"]),
+            }
+    print("| model | hand step ms (median) | elastictrain step ms (median) | median of paired ratios | target |")
+    print("|---|---|---|---|---|")
+    for model, r in results.items():
+        print(f"| {model} | {statistics.median(r['hand_step_ms']):.3f} | {statistics.median(r['elastictrain_step_ms']):.3f} "
+              f"| {r['median_ratio']:.3f} | <= 1.02 {'met' if r['median_ratio'] <= 1.02 else 'NOT met'} |")
+    pathlib.Path(args.out).write_text(json.dumps({
+        "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats, "results": results,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

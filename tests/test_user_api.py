@@ -1,0 +1,101 @@
+"""The API as a new user meets it: schedules that know the step count, and honest resumes of a changed run.
+
+In process (one worker, real storage on memory://): what a user running ``python train.py`` gets.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from elastictrain import SnapshotError, Trainer, seed_everything
+from elastictrain.storage import SnapshotStore
+from elastictrain.tasks import spirals
+
+SMALL = {"train_samples": 512, "val_samples": 128, "hidden": 32}
+
+
+def memory_url() -> str:
+    return f"memory://elastictrain-api-tests/{uuid.uuid4().hex}"
+
+
+def trainer(url: str, task_args: dict = SMALL, lr_scheduler="task", **train) -> Trainer:
+    seed_everything(0)
+    task = spirals.build(**task_args)
+    if lr_scheduler != "task":
+        task.lr_scheduler = lr_scheduler
+    return Trainer.from_task(task, {
+        "snapshot": {"url": url, "every_steps": 10},
+        "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5, **train},
+        "log": {"progress_bar": False, "plots": False},
+    })
+
+
+def test_a_scheduler_factory_gets_the_runs_step_count_after_setup():
+    seen = []
+
+    def cosine(optimizer, total_steps):
+        seen.append(total_steps)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+    run = trainer(memory_url(), lr_scheduler=cosine, max_epochs=3)
+    assert run.total_steps == 3 * 512 // 16 == 96  # known before fit, from the launch environment
+    run.fit()
+    assert seen == [96]
+    assert run.task.optimizer.param_groups[0]["lr"] < 1e-9, "the cosine ended at zero on the last step"
+
+
+def test_a_scheduler_factory_stepped_per_epoch_gets_the_epoch_count():
+    seen = []
+    run = trainer(memory_url(), lr_scheduler=lambda opt, n: seen.append(n) or torch.optim.lr_scheduler.StepLR(opt, n),
+                  max_epochs=3, lr_scheduler_interval="epoch")
+    assert run.scheduler_steps == 3
+    run.fit()
+    assert seen == [3]
+
+
+def test_a_resume_with_a_changed_harmless_key_says_what_changed_and_goes_on(capfd):
+    url = memory_url()
+    trainer(url, max_epochs=1).fit()
+    resumed = trainer(url, max_epochs=2).fit()
+    err = capfd.readouterr().err
+    assert "was made with another config; resuming with this run's: train.max_epochs 1 -> 2" in err
+    assert resumed.global_step == 64
+
+
+def test_a_resume_that_would_change_the_batch_geometry_is_refused_with_the_way_out(capfd):
+    url = memory_url()
+    trainer(url, max_steps=20).fit()
+    before = [s.snapshot_id for s in SnapshotStore(url).list_snapshots()]
+    with pytest.raises(SnapshotError, match=r"was made with train\.batch_size=16 \(this run: 32\).*"
+                                            r"snapshot\.accept_changes=\[train\.batch_size\] — nothing was deleted"):
+        trainer(url, batch_size=32).fit()
+    assert [s.snapshot_id for s in SnapshotStore(url).list_snapshots()] == before
+    capfd.readouterr()
+
+    seed_everything(0)
+    accepted = Trainer.from_task(spirals.build(**SMALL), {
+        "snapshot": {"url": url, "every_steps": 10, "accept_changes": ["train.batch_size"]},
+        "train": {"max_epochs": 2, "batch_size": 32, "log_every_steps": 5}, "log": {"progress_bar": False, "plots": False},
+    }).fit()
+    assert accepted.state == "DONE"
+    assert "train.batch_size 16 -> 32" in capfd.readouterr().err
+
+
+def test_a_script_handing_over_a_dataset_of_another_size_is_refused():
+    """A script's data are not in the config; their size is what the saved position counts in."""
+    url = memory_url()
+    trainer(url, max_steps=20).fit()
+    with pytest.raises(SnapshotError, match=r"was made with train_data\.len=512 \(this run: 1024\)"):
+        trainer(url, task_args={**SMALL, "train_samples": 1024}).fit()
+
+
+def test_an_optimizer_set_up_with_another_lr_in_the_script_is_warned_about(capfd):
+    url = memory_url()
+    trainer(url, max_steps=20).fit()
+    capfd.readouterr()
+    trainer(url, task_args={**SMALL, "lr": 1e-5}).fit()
+    err = capfd.readouterr().err
+    assert "the optimizer's hyperparameters differ from this run's (lr 0.003 -> 1e-05)" in err
