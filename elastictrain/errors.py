@@ -8,7 +8,20 @@ bugs are any other exception and keep their traceback.
 (a config key, a snapshot of another model, a wrong credential) fails every restart the same
 way, so the first attempt records it and later attempts stop at once with one line instead of
 repeating the traceback ``--max-restarts`` times.
+
+Uncaught, they print as one line too: importing this module installs a ``sys.excepthook`` that
+prints ``elastictrain: error: <message>`` and exits with the error's code, so a ConfigError from
+``Trainer(..., overrides=sys.argv[1:])`` in a user's script reads like the command line's.
+Every other exception goes to the hook that was there before, traceback and all.
+``ELASTICTRAIN_TRACEBACK=1`` shows the traceback of user errors too.
 """
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from types import TracebackType
 
 
 class ElastictrainError(Exception):
@@ -16,6 +29,10 @@ class ElastictrainError(Exception):
 
     exit_code = 1
     retryable = False
+
+
+class LossFnError(ElastictrainError):
+    """loss_fn returned something other than a scalar loss tensor, or (loss, {"name": scalar})."""
 
 
 class ConfigError(ElastictrainError):
@@ -60,3 +77,36 @@ class PeerLost(ElastictrainError):
     """A collective failed because another rank died or hung; the launcher restarts the group."""
 
     retryable = True
+
+
+TRACEBACK_ENV = "ELASTICTRAIN_TRACEBACK"
+_previous_excepthook = sys.excepthook
+
+
+def tracebacks_wanted() -> bool:
+    """True when ``ELASTICTRAIN_TRACEBACK`` is set (not empty or 0): user errors keep their traceback."""
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def _print_user_error(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(exc, ElastictrainError) and not tracebacks_wanted():
+        with contextlib.suppress(OSError, ValueError):  # a closed stdout must not hide the message
+            sys.stdout.flush()  # what the script printed comes first, as with a traceback
+        print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
+        # CPython exits with this code when an excepthook raises SystemExit, so a script's
+        # config error ends with 2, as on the command line.
+        raise SystemExit(exc.exit_code)
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def install_excepthook() -> None:
+    """Print uncaught ElastictrainErrors as one line; every other exception goes to the previous hook."""
+    global _previous_excepthook
+    if sys.excepthook is not _print_user_error:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _print_user_error
+
+
+# Installed here, on import: every code path that can raise one of these errors has imported
+# this module first, however the package was imported.
+install_excepthook()

@@ -28,7 +28,10 @@ class WeightedSums:
             self.names = sorted(values)
         if self.sums is None:
             self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=self.device)
-        vector = torch.stack([torch.as_tensor(values[name], device=self.device).detach().double() for name in self.names])
+        # One-element values of any shape ((), (1,), (1, 1)): split_loss has checked that each is a scalar.
+        vector = torch.stack([
+            torch.as_tensor(values[name], device=self.device).detach().double().reshape(()) for name in self.names
+        ])
         self.sums += vector * samples
         self.count += samples
 
