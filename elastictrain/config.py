@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator,
+)
 
 from .errors import ConfigError
 
@@ -117,6 +119,19 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
+    @model_validator(mode="after")
+    def _storage_options_need_a_remote_store(self) -> "Config":
+        # An error, not a warning: options set for S3 with snapshot.url forgotten would otherwise
+        # put every snapshot on this node's disk without a word.
+        if self.snapshot.storage_options and is_local_url(self.snapshot_url):
+            raise ValueError(
+                f"snapshot.storage_options ({', '.join(map(str, self.snapshot.storage_options))}) are ignored for "
+                f"the local path snapshot.url={self.snapshot_url!r}: they configure a remote store (credentials, "
+                "endpoint); set snapshot.url to the store they are for (e.g. s3://bucket/run) or remove them "
+                "(snapshot.storage_options={})"
+            )
+        return self
+
     @property
     def run_dir(self) -> str:
         return self.run.dir or os.path.join("runs", self.run.name)
@@ -131,6 +146,12 @@ class Config(_Section):
         if redact:
             data["snapshot"]["storage_options"] = redact_secrets(data["snapshot"]["storage_options"])
         return data
+
+
+def is_local_url(url: str) -> bool:
+    """True for a plain path or a file:// / local:// URL, where fsspec ignores storage options."""
+    protocol, sep, _ = url.partition("://")
+    return not sep or protocol.lower() in ("file", "local")
 
 
 _SECRET_WORDS = ("secret", "password", "token", "credential", "key")
@@ -191,6 +212,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config") from None
+    except IsADirectoryError:
+        inside = sorted(str(p) for p in path.iterdir() if p.suffix in (".yaml", ".yml"))[:5]
+        hint = f" such as {', '.join(inside)}" if inside else ""
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file{hint} to --config") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConfigError(f"config file {path} cannot be read ({reason}); pass a readable YAML file to --config") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if data is None:
@@ -211,12 +239,29 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"override {override!r}: the value of {key} is not valid YAML ({_yaml_problem(exc)}); "
+            "values are parsed as YAML (64, 1e-3, true, null, [1, 2], {a: 1}): fix it, or put it in quotes to pass a string"
+        ) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one short phrase: what it was parsing, what went wrong, and at which column."""
+    context, problem, mark = (getattr(exc, name, None) for name in ("context", "problem", "problem_mark"))
+    if not problem:
+        return " ".join(str(exc).split())
+    where = f" at column {mark.column + 1}" if mark is not None else ""
+    return f"{context}: {problem}{where}" if context else f"{problem}{where}"
 
 
 def _describe(error: dict[str, Any]) -> str:
     kind = error["type"]
     loc = [str(p) for p in error["loc"]]
+    if not loc and kind == "value_error":  # a check across sections (a model_validator): its own sentence
+        return str(error["ctx"]["error"])
     path = loc if kind == "extra_forbidden" else _key_path(loc)
     key = ".".join(path)
     if len(path) < len(loc):  # the loc went on into union members: name the key, not the member
