@@ -170,12 +170,27 @@ def writer_for(obj: Any) -> Callable[[BinaryIO], None]:
     return write
 
 
+# What torch.load raises for bytes that are not a torch file, or a torch file torn or garbled:
+# weights_only's refusal and pickle errors (UnpicklingError), an empty file (EOFError), the zip
+# reader's RuntimeErrors (below), and, for garbage parsed as the legacy format, ValueError (a
+# negative seek, bad UTF-8), KeyError and IndexError.
+_UNREADABLE_FILE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError)
+# The RuntimeErrors of torch's zip reader (caffe2 inline_container), as torch 2.13 words them. Any
+# other RuntimeError while loading (out of memory, a CUDA device that is not there) is not about
+# the file and propagates as what it is.
+_ZIP_READER_ERRORS = ("PytorchStreamReader", "inline_container", "hasRecord(")
+
+
 def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu") -> Any:
     """Unpickle a payload with ``weights_only=True``: tensors and plain containers only, never code."""
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    except (*_UNREADABLE_FILE_ERRORS, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not any(mark in str(exc) for mark in _ZIP_READER_ERRORS):
+            raise
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        if not isinstance(exc, (pickle.UnpicklingError, RuntimeError)):  # KeyError('101') alone says nothing
+            lines = [f"{type(exc).__name__}: {line}".rstrip(": ") for line in lines]
         # torch's message is a page long; its one informative line names the refused global.
         reason = next((line for line in lines if "global" in line.lower() and "weights_only" not in line), lines[0])
         raise SnapshotError(
