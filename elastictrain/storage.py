@@ -241,7 +241,10 @@ class _HashingWriter:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    text = " ".join(str(exc).split())
+    if not text and type(exc).__name__ == "FSTimeoutError":
+        text = "an attempt got no answer within its time limit"
+    return f"{type(exc).__name__}: {text or 'no message'}"
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
