@@ -144,10 +144,18 @@ def _warnings_to_stderr() -> Iterator[None]:
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
-    # Imported here so `elastictrain --help` and config errors do not wait for torch.
-    from .loop import Trainer
+    try:
+        cfg = load_config(config_path, overrides)  # before torch is imported: a config error answers at once
+        from .loop import Trainer
 
-    summary = Trainer.from_config(load_config(config_path, overrides)).fit()
+        trainer = Trainer.from_config(cfg)
+    except ConfigError as exc:
+        # Before the Trainer exists; under torchrun every restart would fail the same way.
+        from .dist import stop_repeating
+
+        stop_repeating(exc)
+        raise
+    summary = trainer.fit()
     return 0 if summary is not None else 1
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import DistConfig
-from .errors import DistributedSetupError, RepeatedFatalError
+from .errors import DistributedSetupError, ElastictrainError, RepeatedFatalError
 
 log = logging.getLogger("elastictrain")
 
@@ -245,11 +245,29 @@ def check_no_fatal_error(run_store: Any, env: LaunchEnv) -> None:
     if not run_store.check([FATAL_KEY]):
         return
     record = json.loads(run_store.get(FATAL_KEY))
+    if record["restart"] >= env.restart_count:
+        return  # another rank of this very attempt: it says the error itself
     raise RepeatedFatalError(
         f"restart {env.restart_count} skipped: attempt {record['restart']} stopped on a {record['kind']} that a restart "
         f"cannot fix (its message is above, from rank {record['rank']}); fix it and launch again",
         record["exit_code"],
     )
+
+
+def stop_repeating(error: ElastictrainError, environ: Mapping[str, str] | None = None) -> None:
+    """For an error raised before any process group exists (a config error): under torchrun, raise
+    RepeatedFatalError if an earlier attempt already reported it, else record it for the next ones."""
+    env = detect_launch_env(environ)
+    if not env.uses_agent_store or error.retryable:
+        return
+    try:
+        base = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=10))
+    except (RuntimeError, OSError):
+        return  # no store to share it through: every attempt says it itself
+    run_store = dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
+    check_no_fatal_error(run_store, env)
+    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "rank": env.rank,
+                                         "exit_code": error.exit_code, "kind": type(error).__name__}))
 
 
 def teardown(ctx: DistContext) -> None:

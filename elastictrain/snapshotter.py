@@ -31,7 +31,7 @@ from torch import nn
 from . import errors, failpoints
 from .config import Config
 from .dist import DistContext, broadcast_from_main, gather_to_main
-from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable
+from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .snapshot import (
     FORMAT_VERSION,
@@ -216,6 +216,8 @@ class Snapshotter:
             torch.save(state, fileobj)
 
         writers = {MODEL_OBJECT: writer_for(self.model.state_dict()), STATE_OBJECT: write_state}
+        if self._lease is not None and self._lease.lost is not None:
+            return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
         try:
             manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION})
         except StorageError as exc:
@@ -338,6 +340,7 @@ class LeaseKeeper:
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lost: StoreLeaseError | None = None  # set when another run has taken the lease
 
     def start(self) -> None:
         if self.stale_after_s <= 0:
@@ -351,6 +354,10 @@ class LeaseKeeper:
         while not self._stop.wait(interval):
             try:
                 self.store.renew_lease()
+            except StoreLeaseError as exc:  # another run took the store over: never write beside it
+                self.lost = exc
+                log.error("%s", exc)
+                return
             except ElastictrainError as exc:  # an outage: the lease ages; the next renewal may succeed
                 log.debug("lease renewal failed: %s", exc)
 

@@ -248,12 +248,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """exc and its explicit causes (s3fs raises an OSError whose __cause__ is botocore's ClientError)."""
+    """exc and what led to it: explicit causes (s3fs raises an OSError whose __cause__ is botocore's
+    ClientError) and the exception being handled when it was raised (torch.save hitting ENOSPC
+    raises a RuntimeError "unexpected pos" while closing its zip writer, in the OSError's context)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
-        exc = exc.__cause__
+        exc = exc.__cause__ or exc.__context__
 
 
 def _s3_error(exc: BaseException) -> tuple[str, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.storage import SnapshotStore
-from tests.conftest import parse_job
+from tests.conftest import job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
@@ -134,3 +134,13 @@ def test_a_full_disk_with_on_error_continue_trains_on_and_says_snapshots_are_beh
     assert "snapshot at step 75 not committed" in output and "snapshots are behind since step 75" in output
     assert "snapshot at step 96 not committed" in output  # the final one did not fit either
     assert SnapshotStore(str(small_disk)).latest_valid()[0].step == 50
+
+
+def test_a_config_error_under_torchrun_is_said_once_per_rank_and_restarts_stop_at_once(tmp_path):
+    job = procs.launch(torchrun_command(["train.bach_size=3"], max_restarts=2), log_path=tmp_path / "job.log",
+                       env=job_env(), cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) != 0
+    errors = [line for line in job.output().splitlines() if line.startswith("elastictrain: error:")]
+    assert errors[:2] == ["elastictrain: error: invalid config (defaults + overrides): unknown key 'train.bach_size' "
+                          "(did you mean 'train.batch_size'?)"] * 2
+    assert [line.split(":")[2].strip() for line in errors[2:]] == ["restart 1 skipped"] * 2 + ["restart 2 skipped"] * 2
