@@ -94,3 +94,18 @@ def test_config_is_a_typed_tree():
     assert isinstance(load_config(), Config)
     with pytest.raises(ValidationError):
         load_config().train.batch_size = "x"  # validated on assignment too
+
+
+@pytest.mark.parametrize(
+    "url, local",
+    [(None, True), ("/shared/runs/x", True), ("file:///shared/x", True), ("LOCAL://x", True),
+     ("s3://bucket/run", False), ("memory://x", False), ("simplecache::s3://bucket/run", False)],
+)
+def test_storage_options_are_refused_only_where_fsspec_would_ignore_them(url, local):
+    overrides = ["snapshot.storage_options.endpoint_url=http://127.0.0.1:9000", *([f"snapshot.url={url}"] if url else [])]
+    if local:
+        with pytest.raises(ConfigError, match=r"snapshot.storage_options \(endpoint_url\) are ignored for the local path"):
+            load_config(None, overrides)
+    else:
+        assert load_config(None, overrides).snapshot.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert load_config(None, overrides[1:]).snapshot.storage_options == {}  # no options: any URL
