@@ -13,6 +13,7 @@ import hashlib
 import io
 import pickle
 import random
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
 
@@ -191,8 +192,12 @@ def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         if not isinstance(exc, (pickle.UnpicklingError, RuntimeError)):  # KeyError('101') alone says nothing
             lines = [f"{type(exc).__name__}: {line}".rstrip(": ") for line in lines]
-        # torch's message is a page long; its one informative line names the refused global.
-        reason = next((line for line in lines if "global" in line.lower() and "weights_only" not in line), lines[0])
+        # torch's message is a page long; its one informative line names the refused global, or
+        # follows "WeightsUnpickler error:" for bytes that are no pickle at all.
+        reason = next((line for line in lines if "global" in line.lower() and "weights_only" not in line), None)
+        if reason is None:
+            unpickler = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(exc))
+            reason = f"unpickling failed: {unpickler.group(1).strip()}" if unpickler else lines[0]
         raise SnapshotError(
             f"{where} cannot be loaded safely ({reason}); it is not an elastictrain snapshot "
             "or holds objects other than tensors and plain containers — nothing was executed"
