@@ -16,7 +16,15 @@ from typing import Any, Literal, Union
 
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
 )
 
 from .errors import ConfigError
