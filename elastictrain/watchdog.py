@@ -1,0 +1,388 @@
+"""Hung ranks: a rank that stops making progress is named within seconds and the group restarts.
+
+Without this, a worker that stops (SIGSTOP, a deadlock in user code, a collective that never
+completes) leaves its peers blocked until ``dist.collective_timeout_s`` (minutes). ``Watchdog``
+is an observer with a daemon thread on every rank that
+
+- publishes this rank's heartbeat (step, state, unix time, where its loop thread is) to the
+  launcher's store every ``heartbeat_every_s``; under torchrun the agent hosts that store, so it
+  stays up when a worker is frozen or dead;
+- checks this rank's own progress: when the step has not moved for longer than the allowance of
+  the current state, it reads every rank's heartbeat, logs ONE line naming the rank(s) that
+  stopped and their state, dumps every thread's stack to stderr and leaves with
+  ``HUNG_EXIT_CODE`` through ``os._exit`` (the loop thread may be blocked inside a C++
+  collective, where no exception can reach it). The launcher then restarts the group from the
+  newest snapshot.
+
+A frozen rank cannot act, but its peers stall at the same moment and their watchdogs do; a rank
+stuck in its own code is caught by its own watchdog as well as by its peers'.
+
+The allowance adapts so a slow model is no false alarm: in TRAIN it is the larger of
+``hang_timeout_s`` and ``step_multiple`` times the longest time between progress marks seen in
+this attempt; the first step, RESTORE, EVALUATE and SNAPSHOT have longer allowances of their own,
+also stretched to ``step_multiple`` times the longest such state seen.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .events import Observer, RunInfo, TrainInterval
+from .states import TERMINAL, State
+
+log = logging.getLogger("elastictrain")
+
+# sysexits' EX_TEMPFAIL: "a temporary failure; the user is invited to retry" — a restart.
+HUNG_EXIT_CODE = 75
+
+# Where the innermost frame of a rank's loop thread lies when that rank is waiting for its peers
+# rather than computing: inside a collective, or in backward (DDP's gradient all-reduce).
+_WAITING_MODULES = ("torch.distributed", "torch.autograd", "elastictrain.dist", "elastictrain.vote", "elastictrain.reduce")
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    """How long each state may go without progress before the rank is declared hung."""
+
+    hang_timeout_s: float = 30.0  # least allowance between two steps in TRAIN; 0 switches the watchdog off
+    step_multiple: float = 10.0  # allowances are at least this many times the longest step (or state) seen
+    first_step_s: float = 600.0  # until the attempt's first step is done: warm-up, compilation, data workers
+    restore_s: float = 600.0  # RESTORE: reading, verifying and broadcasting the snapshot (retries included)
+    evaluate_s: float = 1800.0  # one whole EVALUATE state: it has no step marks inside
+    snapshot_s: float = 600.0  # one SNAPSHOT: writes retried for snapshot.retry_for_s per operation, on S3
+    heartbeat_every_s: float = 1.0  # heartbeat publication and self-check period
+
+    @property
+    def enabled(self) -> bool:
+        return self.hang_timeout_s > 0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One rank's latest word, as published in the store."""
+
+    rank: int
+    step: int
+    state: str
+    unix: float  # when it was published
+    waiting: bool  # its loop thread waits in a collective (not stuck in its own code)
+    where: str  # innermost frame of its loop thread, "module:line in function"
+    pid: int = 0
+    host: str = ""
+    start_ticks: int = 0  # the process's start time (/proc/<pid>/stat), to tell it from a later one with its pid
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> "Heartbeat":
+        return cls(**json.loads(text))
+
+
+def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool, longest_step_s: float,
+                longest_state_s: float) -> float | None:
+    """Seconds ``state`` may go without progress; None where nothing is watched (terminal states).
+
+    ``longest_step_s`` is the longest time between two progress marks seen in TRAIN;
+    ``longest_state_s`` the longest visit to ``state`` seen in this attempt.
+    """
+    if state in TERMINAL:
+        return None
+    multiple = settings.step_multiple
+    if state is State.TRAIN:
+        if not trained_once:
+            return max(settings.first_step_s, settings.hang_timeout_s)
+        return max(settings.hang_timeout_s, multiple * longest_step_s)
+    base = {State.EVALUATE: settings.evaluate_s, State.SNAPSHOT: settings.snapshot_s}.get(state, settings.restore_s)
+    return max(base, settings.hang_timeout_s, multiple * longest_state_s)
+
+
+def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float) -> str:
+    """Which rank(s) stopped, from every rank's heartbeat: silent ones first, then ranks behind, then busy ones.
+
+    A silent rank (no heartbeat for ``stale_after_s``) is frozen, killed or lost with its host.
+    Otherwise a rank behind the others' step holds them up; otherwise, at one step, the rank whose
+    loop is in its own code while the others wait in a collective.
+    """
+    live = {rank: beat for rank, beat in heartbeats.items() if beat is None or beat.state not in {s.name for s in TERMINAL}}
+    silent = [
+        f"rank {rank} " + ("never sent a heartbeat" if beat is None else
+                           f"sent no heartbeat for {now_unix - beat.unix:.1f} s (last in state {beat.state} at step {beat.step})")
+        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s
+    ]
+    if silent:
+        return "; ".join(silent) + ": frozen, killed or its host is gone"
+    beats = [beat for _, beat in sorted(live.items())]
+    if not beats:
+        return "no rank is left running"
+    top = max(beat.step for beat in beats)
+    behind = [f"rank {b.rank} is behind in state {b.state} at step {b.step}" for b in beats if b.step < top]
+    if behind:
+        return "; ".join(behind) + f" (the others are at step {top})"
+    busy = [b for b in beats if not b.waiting]
+    if busy and len(busy) < len(beats):
+        return "; ".join(f"rank {b.rank} is stuck in state {b.state} at step {b.step} at {b.where}" for b in busy) + (
+            " while the others wait for it in a collective")
+    where = "; ".join(f"rank {b.rank} at {b.where}" for b in beats)
+    return f"every rank stalled in state {beats[0].state} at step {top}, none silent or behind ({where})"
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a process from /proc, or None (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            raw = stat_file.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def is_stopped_here(beat: Heartbeat) -> bool:
+    """Whether a silent peer is a *stopped* process on this host (same pid and start time): the watchdog SIGKILLs it.
+
+    The launcher stops a failed group with SIGTERM, which a stopped process does not act on, and
+    torch 2.13's agent then waits 30 s before its SIGKILL on every restart (``_stop_workers``
+    ignores ``--shutdown-timeout``). The group is being restarted anyway.
+    """
+    if beat.host != socket.gethostname() or beat.pid <= 0 or beat.pid == os.getpid():
+        return False
+    stat = _proc_stat(beat.pid)
+    if stat is None or stat[0] not in ("T", "t") or stat[1] != beat.start_ticks:
+        return False
+    return True
+
+
+def loop_position(thread_id: int | None) -> tuple[str, bool]:
+    """Innermost frame of the loop thread as "module:line in function", and whether it waits for peers."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return "unknown", False
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}:{frame.f_lineno} in {frame.f_code.co_name}", module.startswith(_WAITING_MODULES)
+
+
+def _leave(code: int) -> None:
+    """Dump every thread's stack to stderr and end the process now, from any thread."""
+    for handler in log.handlers:
+        handler.flush()
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    os._exit(code)
+
+
+class Watchdog(Observer):
+    """Detects a rank that stopped making progress, names it, and turns the hang into a restart.
+
+    Wire it on every rank as an observer; call ``beat(step)`` once per optimizer step from the
+    loop (an attribute write) so hangs are seen at step granularity. Without ``beat`` the log
+    intervals (``trained``) are the progress marks, and the allowance adapts to their length.
+    """
+
+    def __init__(self, settings: WatchdogSettings = WatchdogSettings(), *, clock: Callable[[], float] = time.monotonic,
+                 on_hang: Callable[[int], None] = _leave) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._on_hang = on_hang
+        self._info: RunInfo | None = None
+        self._loop_thread: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        # Written by the loop thread, read by the watchdog thread: single attribute writes.
+        self._beat_step: int | None = None
+        self._trained_count = 0
+        self._state_visit = (State.SETUP, 0, clock())  # (state, step, entered at)
+        self._step = 0
+        # The watchdog thread's own bookkeeping.
+        self._seen_marks = (None, 0)  # (beat step, trained count) at the last check
+        self._last_progress = clock()
+        self._trained_once = False
+        self._longest_step_s = 0.0
+        self._longest_state_s: dict[State, float] = {}
+        self._fired = False
+        self._start_ticks = 0
+        self._to_kill: list[Heartbeat] = []
+
+    # -- events (loop thread) ---------------------------------------------------------------
+
+    def started(self, info: RunInfo) -> None:
+        self._info = info
+        self._loop_thread = threading.get_ident()
+        if not self.settings.enabled:
+            return
+        self._start_ticks = (_proc_stat(os.getpid()) or ("", 0))[1]
+        self._publish()  # at once: a rank frozen before the first period must still be known
+        self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        """One optimizer step is done: call once per step (no lock, no system call)."""
+        self._beat_step = step
+
+    def transition(self, src: State, dst: State, step: int) -> None:
+        now = self._clock()
+        state, _, entered = self._state_visit
+        if state is src:
+            self._longest_state_s[src] = max(self._longest_state_s.get(src, 0.0), now - entered)
+        self._step = step
+        self._state_visit = (dst, step, now)
+        if dst in TERMINAL:
+            self.stop()
+        elif self._thread is not None:
+            self._publish()  # a state change is news for the peers (one store set; transitions are rare)
+
+    def trained(self, interval: TrainInterval) -> None:
+        self._step = interval.step
+        if interval.step_time_s_by_rank:  # the slowest rank sets everyone's pace
+            self._longest_step_s = max(self._longest_step_s, max(interval.step_time_s_by_rank))
+        self._trained_count += 1
+
+    def closed(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop watching (terminal state, or the worker is leaving); publishes a last heartbeat."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * self.settings.heartbeat_every_s + 1)
+            self._publish()
+
+    # -- the watchdog thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_every_s):
+            self._publish()
+            verdict = self.check()
+            if verdict is not None and not self._stop.is_set():
+                self._fire(verdict)
+                return
+
+    def check(self) -> str | None:
+        """Take note of progress; return why this rank counts as hung, or None while it is fine."""
+        now = self._clock()
+        state, step, entered = self._state_visit
+        marks = (self._beat_step, self._trained_count)
+        if marks != self._seen_marks:
+            beat_now, trained_now = marks
+            beat_then, trained_then = self._seen_marks
+            if beat_now is not None:
+                advanced = beat_now - beat_then if beat_then is not None else 1
+            else:
+                advanced = trained_now - trained_then
+            since = max(self._last_progress, entered)
+            if state is State.TRAIN and advanced > 0:  # the first step too: a slow warm-up only lengthens the allowance
+                self._longest_step_s = max(self._longest_step_s, (now - since) / advanced)
+                self._trained_once = True
+            self._seen_marks, self._last_progress = marks, now
+        allowed = allowance_s(self.settings, state, trained_once=self._trained_once, longest_step_s=self._longest_step_s,
+                              longest_state_s=self._longest_state_s.get(state, 0.0))
+        if allowed is None:
+            return None
+        stalled_s = now - max(self._last_progress, entered)
+        if stalled_s > allowed:
+            return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
+        if stalled_s > allowed / 2 and self._peer_verdict() is not None:
+            return f"no progress for {stalled_s:.1f} s in state {state.name} and {self._peer_verdict()}"
+        return None
+
+    def _fire(self, verdict: str) -> None:
+        self._fired = True
+        info = self._info
+        rank = info.rank if info is not None else 0
+        try:
+            stopped = self._diagnose()
+        except Exception as exc:  # the store's host may be gone with the hang
+            stopped = f"cannot read the other ranks' heartbeats ({type(exc).__name__}: {exc})"
+        self._set(self._verdict_key(), f"rank {rank} found a hang: {stopped}")
+        log.error("rank %d: %s; %s; exiting with code %d so the launcher restarts the group from the newest snapshot "
+                  "(stack of every thread below)", rank, verdict, stopped, HUNG_EXIT_CODE)
+        # Peers stalled at the same moment; give their watchdogs a moment to say what they see
+        # before this rank's exit turns their collectives into connection errors.
+        self._stop.wait(2 * self.settings.heartbeat_every_s)
+        for beat in self._to_kill:  # last: its death turns this rank's own collective into an error
+            try:
+                os.kill(beat.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self._on_hang(HUNG_EXIT_CODE)
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def heartbeat(self) -> Heartbeat:
+        """This rank's heartbeat now."""
+        state, step, _ = self._state_visit
+        if self._stop.is_set() and state not in TERMINAL:
+            state = State.FAILED  # leaving without a terminal transition
+        shown = self._current_step()
+        where, waiting = loop_position(self._loop_thread)
+        return Heartbeat(rank=self._info.rank if self._info else 0, step=shown, state=state.name, unix=time.time(),
+                         waiting=waiting, where=where, pid=os.getpid(), host=socket.gethostname(),
+                         start_ticks=self._start_ticks)
+
+    def _current_step(self) -> int:
+        beat = self._beat_step if self._state_visit[0] is State.TRAIN and self._beat_step is not None else 0
+        return max(beat, self._state_visit[1], self._step)
+
+    def _diagnose(self) -> str:
+        info = self._info
+        own = self.heartbeat()
+        if info is None or info.store is None:
+            return f"rank {own.rank} (alone) is stuck at {own.where}"
+        keys = [self._key(rank) for rank in range(info.world_size)]
+        present = set(k for k in keys if info.store.check([k]))
+        heartbeats = {
+            rank: (own if rank == info.rank else Heartbeat.from_json(info.store.get(key)) if key in present else None)
+            for rank, key in enumerate(keys)
+        }
+        now_unix, stale_after_s = time.time(), self._stale_after_s()
+        verdict = diagnose(heartbeats, now_unix, stale_after_s)
+        self._to_kill = [beat for beat in heartbeats.values()
+                         if beat is not None and now_unix - beat.unix > stale_after_s and is_stopped_here(beat)]
+        if self._to_kill:
+            verdict += " (" + ", ".join(f"rank {b.rank} is stopped process {b.pid} on this host" for b in self._to_kill) + (
+                ": SIGKILL, so the launcher need not wait for it to obey SIGTERM)")
+        return verdict
+
+    def _stale_after_s(self) -> float:
+        return max(3 * self.settings.heartbeat_every_s, 2.0)
+
+    def _publish(self) -> None:
+        self._set(self._key(self._info.rank) if self._info else "", self.heartbeat().to_json())
+
+    def _peer_verdict(self) -> str | None:
+        info = self._info
+        if info is None or info.store is None:
+            return None
+        try:
+            key = self._verdict_key()
+            return info.store.get(key).decode() if info.store.check([key]) else None
+        except Exception:
+            return None
+
+    def _set(self, key: str, value: str) -> None:
+        info = self._info
+        if info is None or info.store is None:
+            return
+        try:
+            info.store.set(key, value)
+        except Exception:  # the agent (and its store) may be gone: the self-check still works
+            log.debug("watchdog could not write %s", key, exc_info=True)
+
+    def _key(self, rank: int) -> str:
+        return f"watchdog/restart-{self._info.restart_count}/rank-{rank}"
+
+    def _verdict_key(self) -> str:
+        return f"watchdog/restart-{self._info.restart_count if self._info else 0}/hang"

@@ -1,0 +1,265 @@
+"""The watchdog's and the straggler report's decisions as tables, on a fake clock and a real TCPStore.
+
+The processes-and-signals side (SIGSTOP, a loss function that never returns, a slow rank) is in
+tests/faults/test_hangs.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastictrain.events import RunInfo, TrainInterval
+from elastictrain.states import State
+from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
+from elastictrain.watchdog import HUNG_EXIT_CODE, Heartbeat, Watchdog, WatchdogSettings, allowance_s, diagnose
+
+SETTINGS = WatchdogSettings(hang_timeout_s=30, step_multiple=10, first_step_s=600, restore_s=500, evaluate_s=1800, snapshot_s=700)
+
+
+@pytest.mark.parametrize("state, trained_once, longest_step_s, longest_state_s, expected", [
+    (State.TRAIN, False, 0.0, 0.0, 600),  # the first step: warm-up, compilation
+    (State.TRAIN, True, 0.01, 0.0, 30),  # fast steps: the timeout itself
+    (State.TRAIN, True, 12.0, 0.0, 120),  # a 12 s step: 10 times it, no false alarm
+    (State.RESTORE, False, 0.0, 0.0, 500),
+    (State.SETUP, False, 0.0, 0.0, 500),
+    (State.EVALUATE, True, 0.01, 0.0, 1800),
+    (State.EVALUATE, True, 0.01, 400.0, 4000),  # an evaluation seen to take 400 s may take 10 times that
+    (State.SNAPSHOT, True, 0.01, 5.0, 700),
+    (State.DONE, True, 0.01, 0.0, None),
+    (State.PREEMPTED, True, 0.01, 0.0, None),
+    (State.FAILED, True, 0.01, 0.0, None),
+])
+def test_allowance_by_state(state, trained_once, longest_step_s, longest_state_s, expected):
+    assert allowance_s(SETTINGS, state, trained_once=trained_once, longest_step_s=longest_step_s,
+                       longest_state_s=longest_state_s) == expected
+
+
+def beat(rank, step=37, state="TRAIN", unix=1000.0, waiting=True, where="torch.autograd.graph:829 in _engine_run_backward"):
+    return Heartbeat(rank=rank, step=step, state=state, unix=unix, waiting=waiting, where=where)
+
+
+STUCK = "tests.helpers.tasks:73 in traced_loss"
+
+
+@pytest.mark.parametrize("heartbeats, expected", [
+    ({0: beat(0), 1: beat(1, unix=990.0)},
+     "rank 1 sent no heartbeat for 10.0 s (last in state TRAIN at step 37): frozen, killed or its host is gone"),
+    ({0: beat(0), 1: None}, "rank 1 never sent a heartbeat: frozen, killed or its host is gone"),
+    ({0: beat(0), 1: beat(1), 2: beat(2, step=36, state="SNAPSHOT")},
+     "rank 2 is behind in state SNAPSHOT at step 36 (the others are at step 37)"),
+    ({0: beat(0), 1: beat(1, waiting=False, where=STUCK), 2: beat(2)},
+     f"rank 1 is stuck in state TRAIN at step 37 at {STUCK} while the others wait for it in a collective"),
+    ({0: beat(0), 1: beat(1)},
+     "every rank stalled in state TRAIN at step 37, none silent or behind (rank 0 at torch.autograd.graph:829 in "
+     "_engine_run_backward; rank 1 at torch.autograd.graph:829 in _engine_run_backward)"),
+    # A rank that finished long ago is not a suspect, however old its last heartbeat.
+    ({0: beat(0), 1: beat(1, state="DONE", unix=100.0), 2: beat(2, step=30)},
+     "rank 2 is behind in state TRAIN at step 30 (the others are at step 37)"),
+], ids=["silent", "never", "behind", "busy", "all-waiting", "finished-ignored"])
+def test_diagnose_names_the_rank_that_stopped(heartbeats, expected):
+    assert diagnose(heartbeats, now_unix=1000.0, stale_after_s=3.0) == expected
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def info(rank=0, world_size=1, store=None, restart_count=0):
+    return RunInfo(rank=rank, local_rank=rank, world_size=world_size, node_rank=0, restart_count=restart_count,
+                   launcher="test", run_dir="/tmp", total_steps=100, store=store)
+
+
+def watchdog_in_train(settings=SETTINGS):
+    """A watchdog driven by hand (no thread): in TRAIN at t=0."""
+    clock = FakeClock()
+    watchdog = Watchdog(settings, clock=clock)
+    watchdog._info = info()
+    watchdog.transition(State.SETUP, State.RESTORE, 0)
+    watchdog.transition(State.RESTORE, State.TRAIN, 0)
+    return watchdog, clock
+
+
+def test_fast_steps_then_a_stall_fires_after_the_timeout_and_not_before():
+    watchdog, clock = watchdog_in_train()
+    for step in range(1, 101):  # 100 steps of 10 ms, checked once a second
+        clock.now += 0.01
+        watchdog.beat(step)
+        if step % 100 == 0:
+            assert watchdog.check() is None
+    stalled_from = clock.now
+    clock.now = stalled_from + 29.9
+    assert watchdog.check() is None
+    clock.now = stalled_from + 30.1
+    assert watchdog.check() == "no progress for 30.1 s in state TRAIN at step 100 (allowed 30.0 s)"
+
+
+def test_the_first_step_has_its_own_allowance():
+    watchdog, clock = watchdog_in_train()
+    clock.now = 599.0
+    assert watchdog.check() is None  # compiling, warming up
+    clock.now = 601.0
+    assert "no progress for 601.0 s in state TRAIN at step 0 (allowed 600.0 s)" == watchdog.check()
+
+
+def test_slow_steps_stretch_the_allowance_so_a_slow_model_is_no_false_alarm():
+    watchdog, clock = watchdog_in_train()
+    for step in range(1, 4):  # 45 s a step, longer than the 30 s timeout
+        clock.now += 45.0
+        watchdog.beat(step)
+        assert watchdog.check() is None
+    clock.now += 449.0
+    assert watchdog.check() is None
+    clock.now += 2.0
+    assert watchdog.check().endswith("(allowed 450.0 s)")
+
+
+def test_log_intervals_are_progress_marks_when_the_loop_does_not_beat():
+    watchdog, clock = watchdog_in_train()
+    for step in (25, 50, 75):  # a log interval every 40 s, no beat()
+        clock.now += 40.0
+        watchdog.trained(TrainInterval(step=step, epoch=0, steps=25, samples=800, elapsed_s=40.0, metrics={},
+                                       step_time_s_by_rank=[1.6, 1.6]))
+        assert watchdog.check() is None
+    clock.now += 399.0
+    assert watchdog.check() is None  # 10 x the 40 s between marks
+    clock.now += 2.0
+    assert "in state TRAIN at step 75 (allowed 400.0 s)" in watchdog.check()
+
+
+def test_a_snapshot_write_gets_its_own_allowance_and_terminal_states_are_not_watched():
+    watchdog, clock = watchdog_in_train()
+    clock.now = 1.0
+    watchdog.beat(1)
+    watchdog.check()
+    watchdog.transition(State.TRAIN, State.SNAPSHOT, 1)
+    clock.now += 650.0  # an S3 store retrying for minutes
+    assert watchdog.check() is None
+    clock.now += 51.0
+    assert "in state SNAPSHOT at step 1 (allowed 700.0 s)" in watchdog.check()
+    watchdog.transition(State.SNAPSHOT, State.DONE, 1)
+    clock.now += 10_000.0
+    assert watchdog.check() is None
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return dist.PrefixStore("elastictrain/test-run/", server)
+
+
+def test_a_frozen_peer_is_named_by_the_live_rank_in_one_line(store, caplog):
+    """Rank 1 publishes heartbeats, then freezes (its thread stops); rank 0 stalls, names it and leaves with code 75."""
+    fast = WatchdogSettings(hang_timeout_s=2.5, heartbeat_every_s=0.1, first_step_s=2.5)  # stale after 2 s
+    exits: list[int] = []
+    frozen = Watchdog(fast, on_hang=exits.append)
+    frozen.started(info(rank=1, world_size=2, store=store))
+    frozen.transition(State.RESTORE, State.TRAIN, 12)
+    time.sleep(0.3)
+    frozen._stop.set()  # frozen: no more heartbeats, no self-check (a SIGSTOPped process)
+    live = Watchdog(fast, on_hang=exits.append)
+    with caplog.at_level(logging.ERROR, logger="elastictrain"):
+        live.started(info(rank=0, world_size=2, store=store))
+        live.transition(State.RESTORE, State.TRAIN, 12)
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    live.stop()
+    assert exits == [HUNG_EXIT_CODE]
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert line.startswith("rank 0: no progress for 2.")
+    assert "in state TRAIN at step 12 (allowed 2.5 s); rank 1 sent no heartbeat for" in line
+    assert "(last in state TRAIN at step 12): frozen, killed or its host is gone; exiting with code 75" in line
+    assert store.get("watchdog/restart-0/hang").decode().startswith("rank 0 found a hang: rank 1 sent no heartbeat")
+
+
+def test_a_peer_verdict_makes_a_stalled_rank_leave_before_its_own_allowance(store):
+    """Once a rank has found a hang, a peer stalled for half its allowance leaves too, naming what it found."""
+    store.set("watchdog/restart-0/hang", "rank 1 found a hang: rank 1 is stuck in state TRAIN at step 5 at x:1 in f")
+    watchdog = Watchdog(WatchdogSettings(hang_timeout_s=30), clock=FakeClock())
+    watchdog._info = info(rank=0, world_size=2, store=store)
+    watchdog.transition(State.RESTORE, State.TRAIN, 5)
+    watchdog._clock.now = 601.0
+    watchdog._trained_once = True
+    watchdog._last_progress = 586.0
+    assert watchdog.check() is None  # 15 s stalled: not yet half of 30 s
+    watchdog._clock.now = 602.0
+    assert watchdog.check() == ("no progress for 16.0 s in state TRAIN and rank 1 found a hang: rank 1 is stuck in state "
+                                "TRAIN at step 5 at x:1 in f")
+
+
+def test_the_heartbeat_says_where_the_loop_thread_is_and_whether_it_waits(store):
+    release = threading.Event()
+    watchdog = Watchdog(WatchdogSettings(heartbeat_every_s=60))
+
+    def loop():  # the thread that calls started() is the one watched
+        watchdog.started(info(rank=0, world_size=1, store=store))
+        release.wait()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not store.check(["watchdog/restart-0/rank-0"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        now = watchdog.heartbeat()
+        published = Heartbeat.from_json(store.get("watchdog/restart-0/rank-0"))
+    finally:
+        release.set()
+        thread.join()
+        watchdog.stop()
+    assert published.rank == 0 and published.state == "SETUP"
+    assert now.where.startswith("threading:") and now.where.endswith("in wait") and not now.waiting
+
+
+# -- stragglers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compute, expected", [
+    ([0.010, 0.030], [1]),  # two ranks: each against the other, not the midpoint
+    ([0.010, 0.019], []),
+    ([0.010, 0.011, 0.010, 0.050], [3]),
+    ([0.030, 0.010, 0.010, 0.031], [0, 3]),
+    ([0.001, 0.0025], []),  # 2.5x, but 1.5 ms: scheduler noise
+    ([0.02], []),
+])
+def test_find_stragglers_against_the_other_ranks_median(compute, expected):
+    assert [s.rank for s in find_stragglers(compute, factor=2.0, min_excess_s=0.005)] == expected
+
+
+def test_the_report_names_a_slow_rank_once_per_interval_at_most_and_again_after_the_repeat_time(caplog):
+    clock = FakeClock()
+    report = StragglerReport(StragglerSettings(factor=2.0, repeat_after_s=300), clock=clock)
+    report.started(info(rank=0, world_size=2))
+    with caplog.at_level(logging.WARNING, logger="elastictrain"):
+        for step in range(10, 310, 10):  # 30 intervals, 10 s apart, rank 1 slow in all
+            clock.now += 10
+            report.observe(step, [0.05, 0.05], [0.04, 0.0])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + 0, lines  # 300 s have not passed since the first warning (at t=10) until t=300
+    assert lines[0].startswith("straggler at step 10: rank 1: 50.0 ms per step, 5.0x the others' median 10.0 ms;")
+    clock.now += 10
+    with caplog.at_level(logging.WARNING, logger="elastictrain"):
+        report.observe(310, [0.05, 0.05], [0.04, 0.0])
+    assert len(caplog.records) == 2
+
+
+def test_without_measured_waits_the_report_compares_step_times_and_other_ranks_stay_quiet(caplog):
+    quiet = StragglerReport()
+    quiet.started(info(rank=1, world_size=2))
+    report = StragglerReport()
+    report.started(info(rank=0, world_size=2))
+    with caplog.at_level(logging.WARNING, logger="elastictrain"):
+        quiet.observe(10, [0.01, 0.05])
+        report.observe(10, [0.01, 0.05, 0.01])
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "rank 1: 50.0 ms per step" in line and "(by step time;" in line
