@@ -209,7 +209,6 @@ class Watchdog(Observer):
         self._trained_once = False
         self._longest_step_s = 0.0
         self._longest_state_s: dict[State, float] = {}
-        self._fired = False
         self._start_ticks = 0
         self._to_kill: list[Heartbeat] = []
 
@@ -294,12 +293,14 @@ class Watchdog(Observer):
         stalled_s = now - max(self._last_progress, entered)
         if stalled_s > allowed:
             return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
-        if stalled_s > allowed / 2 and self._peer_verdict() is not None:
-            return f"no progress for {stalled_s:.1f} s in state {state.name} and {self._peer_verdict()}"
+        # Stalled for a while, and a peer has already found the hang: leave with it now, before
+        # its exit turns this rank's collective into a connection error that says less.
+        peer_verdict = self._peer_verdict() if stalled_s > allowed / 2 else None
+        if peer_verdict is not None:
+            return f"no progress for {stalled_s:.1f} s in state {state.name} and {peer_verdict}"
         return None
 
     def _fire(self, verdict: str) -> None:
-        self._fired = True
         info = self._info
         rank = info.rank if info is not None else 0
         try:
