@@ -98,6 +98,24 @@ class MetricsConfig(_Section):
     per_node: bool = False  # each node's local rank 0 serves its own /metrics, labelled node=<node rank>
 
 
+class WatchdogConfig(_Section):
+    # A rank that makes no progress for its allowance is named by every live rank, dumps its stack
+    # and exits 75, and torchrun restarts the group from the newest snapshot.
+    hang_timeout_s: NonNegativeFloat = 30.0  # least allowance between two steps in TRAIN; 0: off
+    step_multiple: PositiveFloat = 10.0  # allowances are at least this many times the longest step (or state) seen
+    first_step_s: PositiveFloat = 600.0  # until the attempt's first step is done: warm-up, compilation, data workers
+    restore_s: PositiveFloat = 600.0  # RESTORE: read, verify and broadcast the snapshot, retries included
+    evaluate_s: PositiveFloat = 1800.0  # one whole EVALUATE (it has no step marks inside)
+    snapshot_s: PositiveFloat = 600.0  # one SNAPSHOT, store retries included
+    heartbeat_every_s: PositiveFloat = 1.0  # heartbeat to the launcher's store and self-check period
+
+
+class StragglersConfig(_Section):
+    factor: NonNegativeFloat = 2.0  # name a rank computing this many times the other ranks' median per step; 0: off
+    min_excess_s: NonNegativeFloat = 0.005  # and slower by at least this much (scheduler noise names nobody)
+    repeat_after_s: PositiveFloat = 300.0  # a rank that stays slow is named again after this long
+
+
 class DistConfig(_Section):
     distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
@@ -124,6 +142,8 @@ class Config(_Section):
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     preempt: PreemptConfig = Field(default_factory=PreemptConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    stragglers: StragglersConfig = Field(default_factory=StragglersConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

@@ -46,6 +46,7 @@ class TrainInterval:
     elapsed_s: float  # wall time of the interval on this rank
     metrics: dict[str, float]  # train_loss, train_<metric>, lr
     step_time_s_by_rank: list[float] = field(default_factory=list)  # mean step time of each rank
+    sync_wait_s_by_rank: list[float] = field(default_factory=list)  # each rank's mean wait per step in the gradient all-reduce
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,10 @@ from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, requeue_
 from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
 from .snapshotter import Snapshotter
 from .states import State, StateMachine
+from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
 from .task import Task, load_task, split_loss
 from .vote import Requests, StepVote
+from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger("elastictrain")
 
@@ -279,6 +281,9 @@ class Trainer:
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
         self.model = dist.wrap_model(self.task.model, self.ctx, self.cfg.dist)
+        self.sync_timer = GradientSyncTimer()  # each rank's wait in the gradient all-reduce: stragglers
+        if self.cfg.stragglers.factor > 0:
+            self.sync_timer.register(self.model)  # a no-op without DDP
         if _is_scheduler_factory(self.task.lr_scheduler):
             self.task.lr_scheduler = self.task.lr_scheduler(self.task.optimizer, self.scheduler_steps)
         self.scaler = self.task.grad_scaler
@@ -336,6 +341,7 @@ class Trainer:
                     self._train_step(batches)
                     self._interval.step_time_s += time.perf_counter() - step_started
                     self._steps_left -= 1
+                    self.watchdog.beat(self.progress.global_step)
             epoch_ended = self._steps_left == 0
             if epoch_ended:
                 self._end_epoch()
@@ -386,9 +392,12 @@ class Trainer:
         return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
 
     def _attach_observers(self) -> None:
-        """Rank 0's progress report and plots; the Prometheus exporter where ``metrics`` asks for one."""
+        """The watchdog on every rank; rank 0's progress report, straggler report and plots; the exporter."""
+        self.watchdog = Watchdog(WatchdogSettings(**self.cfg.watchdog.model_dump()))  # inert at hang_timeout_s=0
+        self.events.add(self.watchdog)
         if self.ctx.is_main:
             self.events.add(ProgressReport(self.cfg.log))
+            self.events.add(StragglerReport(StragglerSettings(**self.cfg.stragglers.model_dump())))
             if self.cfg.log.plots:
                 self.machine.on(dst=State.DONE)(self._plot)
         metrics = self.cfg.metrics
@@ -501,13 +510,16 @@ class Trainer:
         self.progress.advance(self.shard.samples_per_step)
 
     def _reduce_train_metrics(self) -> None:
-        # Each rank's mean step time rides in its own slot of the metrics' all_reduce, so rank 0
-        # sees every rank's (stragglers) without a collective of its own.
+        # Each rank's mean step time, and its wait in the gradient all-reduce, ride in slots of
+        # their own in the metrics' all_reduce: rank 0 sees every rank's (stragglers) without a
+        # collective of its own.
         interval, now = self._interval, time.monotonic()
         steps = self.progress.global_step - interval.start_step
-        step_times = [0.0] * self.ctx.world_size
-        step_times[self.ctx.rank] = interval.step_time_s / steps if steps else 0.0
-        means, step_times = self._train_sums.reduce(self.ctx, step_times)
+        world = self.ctx.world_size
+        slots = [0.0] * (2 * world)
+        slots[self.ctx.rank] = interval.step_time_s / steps if steps else 0.0
+        slots[world + self.ctx.rank] = self.sync_timer.take()
+        means, slots = self._train_sums.reduce(self.ctx, slots)
         self._interval = _Interval(self.progress.global_step, now)
         if not means:
             return
@@ -517,7 +529,7 @@ class Trainer:
         self.events.trained(TrainInterval(
             step=self.progress.global_step, epoch=self.progress.epoch, steps=steps,
             samples=steps * self.shard.samples_per_step, elapsed_s=now - interval.started, metrics=record,
-            step_time_s_by_rank=step_times,
+            step_time_s_by_rank=slots[:world], sync_wait_s_by_rank=slots[world:],
         ))
 
     def _autocast(self) -> Any:

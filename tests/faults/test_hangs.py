@@ -6,13 +6,12 @@ and a stack dump, torchrun restarts the group from the newest snapshot, and the 
 bitwise equal to the unbroken reference. A run made slow on purpose raises no alarm, and a rank
 made slow on purpose is named as a straggler.
 
-The jobs run ``tests.helpers.watched_job`` (the test job with the watchdog and straggler report
-attached as the loop is to attach them) with the watchdog's timeout cut to a few seconds.
+The jobs run the real ``-m elastictrain train`` test job with the watchdog's timeout cut to a
+few seconds.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -36,11 +35,11 @@ HANG = re.compile(r"\[elastictrain r(\d) a0\] ERROR rank \d: no progress for [\d
 def launch_watched(workdir: Path, extra: list[str] = (), *, watchdog: dict = FAST_WATCHDOG, stragglers: dict | None = None,
                    single_process: bool = False, env: dict[str, str] | None = None) -> procs.Launched:
     (workdir / "trace").mkdir(exist_ok=True)
-    overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
-    harness = ["-m", "tests.helpers.watched_job", *overrides]
-    command = [python_command([])[0], *harness] if single_process else [*torchrun_launcher(), *harness]
-    settings = {"ELASTICTRAIN_TEST_WATCHDOG": json.dumps(watchdog), "ELASTICTRAIN_TEST_STRAGGLERS": json.dumps(stragglers or {})}
-    return procs.launch(command, log_path=workdir / "job.log", env={**job_env(), **settings, **(env or {})}, cwd=workdir)
+    settings = [f"watchdog.{key}={value}" for key, value in watchdog.items()]
+    settings += [f"stragglers.{key}={value}" for key, value in (stragglers or {}).items()]
+    overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *settings, *extra]
+    command = python_command(overrides) if single_process else [*torchrun_launcher(), "-m", "elastictrain", "train", *overrides]
+    return procs.launch(command, log_path=workdir / "job.log", env={**job_env(), **(env or {})}, cwd=workdir)
 
 
 def assert_bitwise(workdir: Path, reference, output: str) -> None:
