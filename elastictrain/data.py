@@ -157,10 +157,16 @@ def batch_size_of(batch: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch  # the DataLoader made CPU tensors: walking the batch would cost dispatcher time per step
+    return _to_device(batch, device)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return {key: _to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device) for value in batch)
+        return type(batch)(_to_device(value, device) for value in batch)
     return batch

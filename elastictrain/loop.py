@@ -494,6 +494,8 @@ class Trainer:
                     loss, metrics = split_loss(self.task.loss_fn(self.model, batch))
                 scaled = loss / accum
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            if micro == accum - 1:
+                self.sync_timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
             self._train_sums.add(batch_size_of(batch), {"loss": loss, **metrics})
         if self.cfg.train.clip_grad_norm is not None:
             if scaler is not None:

@@ -10,39 +10,46 @@ from .dist import DistContext, all_gather, all_reduce_sum
 
 
 class WeightedSums:
-    """Running sums of ``value * samples`` per metric, kept on the device (no sync per step).
+    """Sample-weighted sums of the losses and metrics of the steps since the last reduce.
 
-    ``reduce`` sends them, the sample count and any extra flags in ONE all_reduce, so the
-    decisions that ride along (e.g. "rank 0's snapshot timer fired") cost no extra collective.
-    Every rank must add the same metric names in the same steps, as training guarantees.
+    ``add`` only keeps each step's values (detached, left where they are: no sync, no arithmetic
+    per step); ``reduce`` stacks them once, weights them by their sample counts in float64, and
+    sends the sums, the sample count and any extra numbers in ONE all_reduce, so whatever rides
+    along (each rank's step time) costs no extra collective. Every rank must add the same metric
+    names in the same steps, as training guarantees.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.names: list[str] | None = None
-        self.sums: torch.Tensor | None = None
-        self.count = 0
+        self._values: list[Any] = []  # len(names) values per step, step after step
+        self._samples: list[int] = []
+
+    @property
+    def count(self) -> int:
+        return sum(self._samples)
 
     def add(self, samples: int, values: dict[str, Any]) -> None:
         if self.names is None:
             self.names = sorted(values)
-        if self.sums is None:
-            self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=self.device)
         # One-element values of any shape ((), (1,), (1, 1)): split_loss has checked that each is a scalar.
-        vector = torch.stack([
-            torch.as_tensor(values[name], device=self.device).detach().double().reshape(()) for name in self.names
-        ])
-        self.sums += vector * samples
-        self.count += samples
+        self._values.extend(v.detach() if isinstance(v, torch.Tensor) else v for v in (values[n] for n in self.names))
+        self._samples.append(samples)
 
     def reduce(self, ctx: DistContext, flags: list[float] = ()) -> tuple[dict[str, float], list[float]]:
         """Sample-weighted means over all ranks since the last reduce, and the flags summed over ranks."""
         names = self.names or []
-        sums = self.sums if self.sums is not None else torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        if self._samples:
+            values = torch.stack([torch.as_tensor(v, device=self.device).reshape(()) for v in self._values])
+            per_step = values.to(torch.float64).reshape(len(self._samples), len(names))
+            weights = torch.tensor(self._samples, dtype=torch.float64, device=self.device)
+            sums = weights @ per_step
+        else:
+            sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         extra = torch.tensor([float(self.count), *flags], dtype=torch.float64, device=self.device)
         total = all_reduce_sum(torch.cat([sums, extra]), ctx).tolist()
         count = total[len(names)]
-        self.sums, self.count = None, 0
+        self._values, self._samples = [], []
         means = {name: total[i] / count for i, name in enumerate(names)} if count else {}
         return means, total[len(names) + 1 :]
 

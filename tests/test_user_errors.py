@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from elastictrain.errors import LossFnError, SnapshotError
+from elastictrain.dist import DistContext, LaunchEnv
 from elastictrain.reduce import WeightedSums
 from elastictrain.snapshot import load_object
 from elastictrain.task import Task, split_loss
@@ -281,4 +282,7 @@ def test_a_bug_inside_a_task_factory_keeps_its_traceback(tmp_path):
 def test_one_element_values_are_summed_whatever_their_shape():
     sums = WeightedSums(torch.device("cpu"))
     sums.add(4, {"loss": torch.full((1,), 2.0), "accuracy": torch.tensor(0.5), "n": 1})
-    assert sums.sums.tolist() == [2.0, 8.0, 4.0]  # accuracy, loss, n (sorted), each times 4 samples
+    sums.add(2, {"loss": torch.full((1, 1), 5.0), "accuracy": torch.tensor([1.0]), "n": 3})
+    means, _ = sums.reduce(DistContext(LaunchEnv("none"), False, torch.device("cpu"), None, 300.0))
+    # accuracy, loss, n: sample-weighted over 4 + 2 samples
+    assert means == {"accuracy": (0.5 * 4 + 1.0 * 2) / 6, "loss": (2.0 * 4 + 5.0 * 2) / 6, "n": (1 * 4 + 3 * 2) / 6}
