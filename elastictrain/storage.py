@@ -53,13 +53,10 @@ for what it does and does not guarantee.
 
 from __future__ import annotations
 
-import copy
-import errno
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -68,7 +65,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 import fsspec
@@ -76,7 +72,30 @@ import fsspec.asyn
 import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
-from elastictrain.config import REDACTED, redact_secrets
+from elastictrain.config import REDACTED
+from elastictrain.manifest import (  # noqa: F401  (re-exported: the store's public names)
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    SNAPSHOT_ID,
+    Manifest,
+    ObjectEntry,
+    SnapshotListing,
+    snapshot_id_for_step,
+)
+from elastictrain.store_errors import (  # noqa: F401
+    CREDENTIAL_CODES,
+    S3_CONNECT_TIMEOUT_S,
+    S3_READ_TIMEOUT_S,
+    causes,
+    is_disk_full,
+    is_storage_failure,
+    is_unavailable,
+    one_line,
+    s3_error,
+    s3_options_with_bounded_time,
+    secret_values,
+)
 from elastictrain.errors import (
     ElastictrainError,
     SnapshotError,
@@ -85,128 +104,19 @@ from elastictrain.errors import (
     StoreLeaseError,
 )
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
-MANIFEST_FORMAT = "elastictrain-snapshot"
 LEASE_NAME = ".lease.json"
 
 Writer = Callable[[BinaryIO], None]  # streams one payload object into the file it is given
 
 log = logging.getLogger("elastictrain.storage")
 
-_SNAPSHOT_ID = re.compile(r"^step-(\d+)$")
 _CHECK_STORE = "check the path/credentials or set snapshot.url"
 
-S3_CONNECT_TIMEOUT_S = 5.0
-S3_READ_TIMEOUT_S = 20.0
 _MIN_UPLOAD_BYTES_PER_S = 1 << 20  # slower than this, an upload attempt counts as not answering
 _STAGE_IN_MEMORY_BYTES = 8 << 20
 _BACKOFF_INITIAL_S, _BACKOFF_MAX_S = 0.2, 4.0
 _CLEANUP_ATTEMPT_S = 5.0
 
-# Error codes of an S3 response that mean "the store is overloaded or briefly broken".
-_UNAVAILABLE_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
-    "RequestTimeout", "ServiceUnavailable", "InternalError", "503", "500", "502", "504",
-}
-_CREDENTIAL_CODES = {
-    "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "InvalidSecurity",
-    "InvalidClientTokenId", "UnrecognizedClientException", "AuthorizationHeaderMalformed",
-}
-_UNAVAILABLE_ERRNOS = {
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-    errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE,
-}
-_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-# Exception types by module: the network stack's own errors that mean "no answer".
-_UNAVAILABLE_TYPES = {
-    ("botocore.exceptions", "EndpointConnectionError"), ("botocore.exceptions", "ConnectTimeoutError"),
-    ("botocore.exceptions", "ReadTimeoutError"), ("botocore.exceptions", "ConnectionClosedError"),
-    ("botocore.exceptions", "HTTPClientError"), ("botocore.exceptions", "ResponseStreamingError"),
-    ("fsspec.exceptions", "FSTimeoutError"),
-}
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "fsspec", "gcsfs", "adlfs", "requests")
-
-
-@dataclass(frozen=True)
-class ObjectEntry:
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a committed snapshot holds: its step, its objects' sizes and hashes, caller meta."""
-
-    snapshot_id: str
-    step: int  # global optimizer step the snapshot was taken at
-    created_unix: float
-    objects: dict[str, ObjectEntry]
-    meta: dict
-
-    def to_json(self) -> bytes:
-        """Serialise to the bytes stored as manifest.json."""
-        document = {
-            "format": MANIFEST_FORMAT,
-            "manifest_version": MANIFEST_VERSION,
-            "snapshot_id": self.snapshot_id,
-            "step": self.step,
-            "created_unix": self.created_unix,
-            "objects": {
-                name: {"size": entry.size, "sha256": entry.sha256}
-                for name, entry in self.objects.items()
-            },
-            "meta": self.meta,
-        }
-        return json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse manifest bytes read from `where`; SnapshotError naming `where` if unusable."""
-        try:
-            document = json.loads(data.decode("utf-8"))
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
-            raise SnapshotError(f"manifest {where} is not valid JSON ({exc})") from exc
-        if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
-            raise SnapshotError(f"manifest {where} is not an {MANIFEST_FORMAT} manifest")
-        version = document.get("manifest_version")
-        if not isinstance(version, int) or version < 1:
-            raise SnapshotError(f"manifest {where} has no valid manifest_version ({version!r})")
-        if version > MANIFEST_VERSION:
-            raise SnapshotError(
-                f"manifest {where} has manifest_version {version}, this elastictrain reads up "
-                f"to {MANIFEST_VERSION}; upgrade elastictrain to resume from it"
-            )
-        try:
-            return cls(
-                snapshot_id=str(document["snapshot_id"]),
-                step=int(document["step"]),
-                created_unix=float(document["created_unix"]),
-                objects={
-                    str(name): ObjectEntry(size=int(entry["size"]), sha256=str(entry["sha256"]))
-                    for name, entry in document["objects"].items()
-                },
-                meta=dict(document["meta"]),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SnapshotError(
-                f"manifest {where} lacks a field or has a malformed one ({_one_line(exc)})"
-            ) from exc
-
-
-@dataclass(frozen=True)
-class SnapshotListing:
-    """One step-* prefix under the root; `problem` says why it is unusable (None: looks fine)."""
-
-    snapshot_id: str
-    step: int
-    manifest: Manifest | None
-    problem: str | None
-
-
-def snapshot_id_for_step(step: int) -> str:
-    """Name of the snapshot taken at `step`; zero-padded so ids sort lexically as steps do."""
-    return "step-%012d" % step
 
 
 class _HashingWriter:
@@ -238,101 +148,6 @@ class _HashingWriter:
 
     def entry(self) -> ObjectEntry:
         return ObjectEntry(size=self._size, sha256=self._sha256.hexdigest())
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if not text and type(exc).__name__ == "FSTimeoutError":
-        text = "an attempt got no answer within its time limit"
-    return f"{type(exc).__name__}: {text or 'no message'}"
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """exc and what led to it: explicit causes (s3fs raises an OSError whose __cause__ is botocore's
-    ClientError) and the exception being handled when it was raised (torch.save hitting ENOSPC
-    raises a RuntimeError "unexpected pos" while closing its zip writer, in the OSError's context)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _s3_error(exc: BaseException) -> tuple[str, int]:
-    """(error code, HTTP status) of the S3 response behind exc, or ("", 0) if there was none."""
-    for item in _causes(exc):
-        response = getattr(item, "response", None)
-        if isinstance(response, dict) and "Error" in response:
-            code = str(response["Error"].get("Code", ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or (int(code) if code.isdigit() else 0)
-            return code, int(status)
-    return "", 0
-
-
-def _is_type(exc: BaseException, pairs: set[tuple[str, str]]) -> bool:
-    return any((klass.__module__, klass.__name__) in pairs for klass in type(exc).__mro__)
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """True if exc means the store did not answer (worth retrying), False for any definite answer."""
-    code, status = _s3_error(exc)
-    if code or status:
-        return code in _UNAVAILABLE_CODES or status >= 500 or status == 429
-    for item in _causes(exc):
-        if _is_type(item, _UNAVAILABLE_TYPES) or isinstance(item, (TimeoutError, ConnectionError)):
-            return True
-        if type(item).__module__.startswith("aiohttp") and type(item).__name__ in (
-            "ClientConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-            "ServerTimeoutError", "ClientPayloadError", "ConnectionTimeoutError", "SocketTimeoutError",
-        ):
-            return True
-        if isinstance(item, OSError) and item.errno in _UNAVAILABLE_ERRNOS:
-            return True
-    return False
-
-
-def _is_storage_failure(exc: BaseException) -> bool:
-    """An error the store or the network stack raised (as opposed to a bug in our own code)."""
-    if isinstance(exc, OSError):
-        return True
-    return any(type(item).__module__.split(".")[0] in _NETWORK_MODULES for item in _causes(exc))
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    return any(isinstance(item, OSError) and item.errno in _DISK_FULL_ERRNOS for item in _causes(exc))
-
-
-def _secret_values(options: Any) -> list[str]:
-    """Every string in options that redact_secrets hides (to scrub it from error text)."""
-    found: list[str] = []
-
-    def walk(original: Any, redacted: Any) -> None:
-        if isinstance(original, dict):
-            for name, value in original.items():
-                walk(value, redacted.get(name))
-        elif isinstance(original, list):
-            for value, hidden in zip(original, redacted):
-                walk(value, hidden)
-        elif redacted == REDACTED and original not in (None, "", REDACTED):
-            found.append(str(original))
-
-    walk(options, redact_secrets(options))
-    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        if os.environ.get(name):
-            found.append(os.environ[name])
-    return sorted(set(found), key=len, reverse=True)
-
-
-def s3_options_with_bounded_time(storage_options: dict | None, retry_for_s: float) -> dict:
-    """storage_options for s3:// with bounded timeouts and no client-level retries, unless the user set them."""
-    options = copy.deepcopy(storage_options or {})
-    config_kwargs = dict(options.get("config_kwargs") or {})
-    config_kwargs.setdefault("connect_timeout", min(S3_CONNECT_TIMEOUT_S, retry_for_s))
-    config_kwargs.setdefault("read_timeout", min(S3_READ_TIMEOUT_S, retry_for_s))
-    config_kwargs.setdefault("retries", {"total_max_attempts": 1})  # tenacity is the one retry layer
-    options["config_kwargs"] = config_kwargs
-    options.setdefault("skip_instance_cache", True)  # the s3fs retry setting below is ours alone
-    return options
 
 
 def _fsync_directory(path: str) -> None:
@@ -384,7 +199,7 @@ class SnapshotStore:
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0):
         self.url = url
         self.retry_for_s = float(retry_for_s)
-        self._secrets = _secret_values(storage_options or {})
+        self._secrets = secret_values(storage_options or {})
         self._is_s3 = url.split("://", 1)[0].lower() in ("s3", "s3a") if "://" in url else False
         options = s3_options_with_bounded_time(storage_options, self.retry_for_s) if self._is_s3 else dict(storage_options or {})
         try:
@@ -392,11 +207,11 @@ class SnapshotStore:
         except ImportError as exc:
             # fsspec names the missing package ("Install s3fs to access S3").
             raise StorageError(
-                f"snapshot.url={url!r} needs a filesystem package that is not installed ({self._scrub(_one_line(exc))}); "
+                f"snapshot.url={url!r} needs a filesystem package that is not installed ({self._scrub(one_line(exc))}); "
                 "for s3:// run pip install 'elastictrain[s3]'"
             ) from None
         except (ValueError, TypeError) as exc:
-            raise StorageError(f"snapshot.url={url!r} cannot be opened ({self._scrub(_one_line(exc))}); {_CHECK_STORE}") from None
+            raise StorageError(f"snapshot.url={url!r} cannot be opened ({self._scrub(one_line(exc))}); {_CHECK_STORE}") from None
         self._is_local = isinstance(self.fs, LocalFileSystem)
         self._is_async = isinstance(self.fs, fsspec.asyn.AsyncFileSystem)
         self._attempt_limit_s: float | None = None
@@ -448,15 +263,15 @@ class SnapshotStore:
         except ElastictrainError:
             raise
         except Exception as exc:
-            if not _is_storage_failure(exc):
+            if not is_storage_failure(exc):
                 raise
             raise self._translate(exc, failure, advice, time.monotonic() - state.started) from None
         finally:
             state.deadline = None
 
     def _translate(self, exc: BaseException, failure: str, advice: str, elapsed_s: float) -> StorageError:
-        code, status = _s3_error(exc)
-        detail = _one_line(exc)
+        code, status = s3_error(exc)
+        detail = one_line(exc)
         if is_unavailable(exc):
             message = (
                 f"{failure}: the store did not answer for {elapsed_s:.1f} s (retried with backoff for up to "
@@ -466,7 +281,7 @@ class SnapshotStore:
             return StorageUnavailable(self._scrub(message))
         if code == "NoSuchBucket":
             return StorageError(self._scrub(self._missing_bucket_message()))
-        if code in _CREDENTIAL_CODES:
+        if code in CREDENTIAL_CODES:
             message = (
                 f"{failure}: {self._endpoint_words()} refused the credentials ({code}); check key/secret in "
                 "snapshot.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
@@ -479,7 +294,7 @@ class SnapshotStore:
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy"
             )
             return StorageError(self._scrub(message))
-        if any(type(item).__name__ in ("NoCredentialsError", "PartialCredentialsError") for item in _causes(exc)):
+        if any(type(item).__name__ in ("NoCredentialsError", "PartialCredentialsError") for item in causes(exc)):
             message = (
                 f"{failure}: no S3 credentials found; set key/secret in snapshot.storage_options or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
@@ -516,7 +331,7 @@ class SnapshotStore:
             wait=lambda retry_state: max(0.0, min(backoff(retry_state), deadline - time.monotonic())),
             before_sleep=lambda retry_state: log.debug(
                 "%s on %s did not answer (attempt %d: %s); retrying", method, self.url, retry_state.attempt_number,
-                self._scrub(_one_line(retry_state.outcome.exception())),
+                self._scrub(one_line(retry_state.outcome.exception())),
             ),
             reraise=True,
         )
@@ -527,7 +342,7 @@ class SnapshotStore:
         try:
             self._call("call_s3", "list_objects_v2", Bucket=self._bucket, Prefix=self._key_prefix, MaxKeys=1)
         except FileNotFoundError as exc:
-            if _s3_error(exc)[0] in ("NoSuchBucket", "404", ""):
+            if s3_error(exc)[0] in ("NoSuchBucket", "404", ""):
                 raise StorageError(self._scrub(self._missing_bucket_message())) from None
             raise
 
@@ -573,7 +388,7 @@ class SnapshotStore:
                 return manifest
             except BaseException as exc:
                 self._remove_torn(snapshot_id, exc)
-                if self._is_local and _is_disk_full(exc):
+                if self._is_local and is_disk_full(exc):
                     raise self._disk_full_error(where, writers) from None
                 raise
 
@@ -598,7 +413,7 @@ class SnapshotStore:
             except OSError as exc:
                 raise StorageError(
                     f"cannot stage object '{name}' in {tempfile.gettempdir()} before uploading it to {self.url} "
-                    f"({_one_line(exc)}); set TMPDIR to a local disk with space"
+                    f"({one_line(exc)}); set TMPDIR to a local disk with space"
                 ) from None
             entry = hashing.entry()
             self._call("put_file", staged.name, path, upload_bytes=entry.size)
@@ -639,7 +454,7 @@ class SnapshotStore:
                 self._delete_marker(snapshot_id, limit_s=limit_s)
         except Exception as exc:  # the commit's own error is what the caller needs to see
             log.warning("could not remove the partial snapshot %s (%s); a later prune deletes it",
-                        where, self._scrub(_one_line(exc)))
+                        where, self._scrub(one_line(exc)))
 
     def _delete_marker(self, snapshot_id: str, limit_s: float | None = None) -> None:
         # Some stores (SeaweedFS) keep an emptied prefix as a "directory" that listings still show.
@@ -680,7 +495,7 @@ class SnapshotStore:
                     problem = None if manifest else "no manifest (torn or in-progress write)"
                 except SnapshotError as exc:
                     manifest, problem = None, f"manifest unreadable: {exc}"
-                step = int(_SNAPSHOT_ID.match(snapshot_id).group(1))
+                step = int(SNAPSHOT_ID.match(snapshot_id).group(1))
                 listings.append(SnapshotListing(snapshot_id, step, manifest, problem))
             return sorted(listings, key=lambda listing: listing.step)
 
@@ -700,7 +515,7 @@ class SnapshotStore:
             if not path.startswith(root):
                 continue
             snapshot_id, sep, rest = path[len(root):].partition("/")
-            if sep and rest and _SNAPSHOT_ID.match(snapshot_id):
+            if sep and rest and SNAPSHOT_ID.match(snapshot_id):
                 counts[snapshot_id] = counts.get(snapshot_id, 0) + 1
         return counts
 
@@ -794,7 +609,7 @@ class SnapshotStore:
         """Empty step-* markers left by earlier deletions (not listed as snapshots) would otherwise linger."""
         for entry in self._call("ls", self.root, detail=False, refresh=True):
             snapshot_id = entry.rstrip("/").rsplit("/", 1)[-1]
-            match = _SNAPSHOT_ID.match(snapshot_id)
+            match = SNAPSHOT_ID.match(snapshot_id)
             if match and int(match.group(1)) < oldest_kept_step:
                 self._delete_marker(snapshot_id)
 

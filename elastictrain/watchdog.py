@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from .events import Observer, RunInfo, TrainInterval
 from .states import TERMINAL, State

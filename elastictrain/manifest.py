@@ -1,0 +1,100 @@
+"""What a committed snapshot is: its id, and the manifest (written last) that lists its objects.
+
+A snapshot is the prefix ``<root>/step-<N>/``; its ``manifest.json`` names every payload object
+with its size and sha256. Only a prefix whose manifest parses and matches its objects exists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from elastictrain.errors import SnapshotError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+MANIFEST_FORMAT = "elastictrain-snapshot"
+
+SNAPSHOT_ID = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed snapshot holds: its step, its objects' sizes and hashes, caller meta."""
+
+    snapshot_id: str
+    step: int  # global optimizer step the snapshot was taken at
+    created_unix: float
+    objects: dict[str, ObjectEntry]
+    meta: dict
+
+    def to_json(self) -> bytes:
+        """Serialise to the bytes stored as manifest.json."""
+        document = {
+            "format": MANIFEST_FORMAT,
+            "manifest_version": MANIFEST_VERSION,
+            "snapshot_id": self.snapshot_id,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "objects": {
+                name: {"size": entry.size, "sha256": entry.sha256}
+                for name, entry in self.objects.items()
+            },
+            "meta": self.meta,
+        }
+        return json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse manifest bytes read from `where`; SnapshotError naming `where` if unusable."""
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            raise SnapshotError(f"manifest {where} is not valid JSON ({exc})") from exc
+        if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
+            raise SnapshotError(f"manifest {where} is not an {MANIFEST_FORMAT} manifest")
+        version = document.get("manifest_version")
+        if not isinstance(version, int) or version < 1:
+            raise SnapshotError(f"manifest {where} has no valid manifest_version ({version!r})")
+        if version > MANIFEST_VERSION:
+            raise SnapshotError(
+                f"manifest {where} has manifest_version {version}, this elastictrain reads up "
+                f"to {MANIFEST_VERSION}; upgrade elastictrain to resume from it"
+            )
+        try:
+            return cls(
+                snapshot_id=str(document["snapshot_id"]),
+                step=int(document["step"]),
+                created_unix=float(document["created_unix"]),
+                objects={
+                    str(name): ObjectEntry(size=int(entry["size"]), sha256=str(entry["sha256"]))
+                    for name, entry in document["objects"].items()
+                },
+                meta=dict(document["meta"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SnapshotError(
+                f"manifest {where} lacks a field or has a malformed one ({type(exc).__name__}: {' '.join(str(exc).split())})"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class SnapshotListing:
+    """One step-* prefix under the root; `problem` says why it is unusable (None: looks fine)."""
+
+    snapshot_id: str
+    step: int
+    manifest: Manifest | None
+    problem: str | None
+
+
+def snapshot_id_for_step(step: int) -> str:
+    """Name of the snapshot taken at `step`; zero-padded so ids sort lexically as steps do."""
+    return "step-%012d" % step
