@@ -82,15 +82,14 @@ def test_an_error_no_restart_can_fix_is_reported_once_and_later_restarts_stop_at
     first = launch_job(tmp_path, "first", ["train.max_steps=30"])
     assert first.wait(TIMEOUT_S) == 0, first.output()[-4000:]
     started = time.monotonic()
-    other_model = launch_job(tmp_path, "other", ["task.args.hidden=48"], max_restarts=2)
+    other_model = launch_job(tmp_path, "other", ["task.args.hidden=48"], max_restarts=1)
     assert other_model.wait(TIMEOUT_S) != 0
     output = worker_lines(other_model.output())
-    print(f"3 attempts of a non-retryable error: {time.monotonic() - started:.1f} s")
+    print(f"2 attempts of a non-retryable error: {time.monotonic() - started:.1f} s")
     # Attempt 0: each rank says it once, as one line.
     assert len(re.findall(r"a0\] ERROR rank \d stopped in state RESTORE at step 0: snapshot .* was saved from a different model", output)) == 2
-    # Restarts 1 and 2 stop at once with one short line per rank, without repeating the message.
-    for restart in (1, 2):
-        assert len(re.findall(rf"a{restart}\] ERROR rank \d: restart {restart} skipped: attempt 0 stopped on a SnapshotError", output)) == 2
+    # The restart stops at once with one short line per rank, without repeating the message.
+    assert len(re.findall(r"a1\] ERROR rank \d: restart 1 skipped: attempt 0 stopped on a SnapshotError", output)) == 2
     assert output.count("saved from a different model") == 2
     assert "Traceback" not in output
     assert [s.step for s in SnapshotStore(str(tmp_path / "run" / "snapshots")).list_snapshots()][-1] == 30
@@ -137,10 +136,10 @@ def test_a_full_disk_with_on_error_continue_trains_on_and_says_snapshots_are_beh
 
 
 def test_a_config_error_under_torchrun_is_said_once_per_rank_and_restarts_stop_at_once(tmp_path):
-    job = procs.launch(torchrun_command(["train.bach_size=3"], max_restarts=2), log_path=tmp_path / "job.log",
+    job = procs.launch(torchrun_command(["train.bach_size=3"], max_restarts=1), log_path=tmp_path / "job.log",
                        env=job_env(), cwd=tmp_path)
     assert job.wait(TIMEOUT_S) != 0
     errors = [line for line in job.output().splitlines() if line.startswith("elastictrain: error:")]
     assert errors[:2] == ["elastictrain: error: invalid config (defaults + overrides): unknown key 'train.bach_size' "
                           "(did you mean 'train.batch_size'?)"] * 2
-    assert [line.split(":")[2].strip() for line in errors[2:]] == ["restart 1 skipped"] * 2 + ["restart 2 skipped"] * 2
+    assert [line.split(":")[2].strip() for line in errors[2:]] == ["restart 1 skipped"] * 2
