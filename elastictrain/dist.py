@@ -164,7 +164,7 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
         if backend == "nccl" and device.type != "cuda":
             raise DistributedSetupError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
         base = _connect_store(env, cfg)
-        run_store = dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
+        run_store = _run_store(env, base)
         check_no_fatal_error(run_store, env)
         _init_process_group(env, base, backend, device, cfg)
     return DistContext(env, distributed, device, backend, cfg.collective_timeout_s, run_store)
@@ -229,13 +229,22 @@ def _init_process_group(env: LaunchEnv, base: Any, backend: str, device: torch.d
 FATAL_KEY = "fatal_error"
 
 
-def record_fatal_error(ctx: DistContext | None, error: Exception, exit_code: int) -> None:
+def _run_store(env: LaunchEnv, base: Any) -> Any:
+    """The launcher's store, namespaced to this run: the same keys for every attempt of it."""
+    return dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
+
+
+def _write_fatal_error(run_store: Any, env: LaunchEnv, rank: int, error: ElastictrainError) -> None:
+    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "rank": rank,
+                                         "exit_code": error.exit_code, "kind": type(error).__name__}))
+
+
+def record_fatal_error(ctx: DistContext | None, error: ElastictrainError) -> None:
     """Leave a non-retryable error in the run's store, so later attempts stop at once instead of repeating it."""
     if ctx is None or ctx.run_store is None:
         return
     try:
-        ctx.run_store.set(FATAL_KEY, json.dumps({"restart": ctx.env.restart_count, "rank": ctx.rank,
-                                                 "exit_code": exit_code, "kind": type(error).__name__}))
+        _write_fatal_error(ctx.run_store, ctx.env, ctx.rank, error)
     except Exception:  # the store's host may be gone too; the error itself was already logged
         log.debug("could not record the fatal error in the run store", exc_info=True)
 
@@ -264,10 +273,9 @@ def stop_repeating(error: ElastictrainError, environ: Mapping[str, str] | None =
         base = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=10))
     except (RuntimeError, OSError):
         return  # no store to share it through: every attempt says it itself
-    run_store = dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
+    run_store = _run_store(env, base)
     check_no_fatal_error(run_store, env)
-    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "rank": env.rank,
-                                         "exit_code": error.exit_code, "kind": type(error).__name__}))
+    _write_fatal_error(run_store, env, env.rank, error)
 
 
 def teardown(ctx: DistContext) -> None:

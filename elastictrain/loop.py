@@ -239,7 +239,7 @@ class Trainer:
         elif isinstance(exc, ElastictrainError):
             log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
             if not exc.retryable:
-                dist.record_fatal_error(self.ctx, exc, exc.exit_code)
+                dist.record_fatal_error(self.ctx, exc)
         elif _is_peer_loss(exc):
             reason = " ".join(str(exc).split())[:160]
             replacement = PeerLost(
@@ -303,7 +303,6 @@ class Trainer:
         self._batches: Iterator | None = None
         self._steps_left = 0
         self._last_snapshot_time = time.monotonic()
-        self._interval = _Interval(self.progress.global_step, time.monotonic())
         self._preempt_announced = False
         self.events.started(RunInfo(
             rank=self.ctx.rank, local_rank=self.ctx.env.local_rank, world_size=self.ctx.world_size,
