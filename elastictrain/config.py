@@ -77,6 +77,9 @@ class SnapshotConfig(_Section):
     on_error: Literal["stop", "continue"] = "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
     retry_for_s: PositiveFloat = 20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
     lease_stale_after_s: NonNegativeFloat = 60.0  # another run's store lease older than this is stale; 0: no lease
+    # Training waits only while rank 0 copies the state into reused CPU buffers; the write runs in a
+    # thread, one at a time. Costs one more copy of the model and optimizer state in rank 0's memory.
+    async_write: bool = False
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
     # data.shuffle); a key here also accepts every key below it.
@@ -90,6 +93,9 @@ class PreemptConfig(_Section):
         default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"]
     )
     requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
+    # The ranks agree on signals (and rank 0's snapshot timer) at most once per step and at most this
+    # often; a signal is acted on within max(one step, this) plus one step. 0: every step.
+    vote_every_s: NonNegativeFloat = 0.02
 
 
 class MetricsConfig(_Section):

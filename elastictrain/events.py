@@ -56,6 +56,7 @@ class SnapshotReport:
     duration_s: float  # training blocked by this snapshot
     size_bytes: int = 0
     error: str | None = None  # one line, when not committed
+    write_s: float = 0.0  # an asynchronous snapshot's write in the background (0: written while training waited)
 
 
 class Observer:

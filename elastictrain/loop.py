@@ -216,6 +216,8 @@ class Trainer:
         try:
             while not self.machine.finished:
                 next_state = self._actions[self.machine.state]()
+                if next_state in (State.DONE, State.PREEMPTED):
+                    self._flush_snapshots()  # a snapshot written in the background ends, and all agree on it, first
                 self.machine.transition(next_state, self.progress.global_step)
         except BaseException as exc:
             self._fail(exc)
@@ -298,7 +300,7 @@ class Trainer:
             train.max_epochs, train.max_steps, train.eval_every_epochs, self.task.val_data is not None,
             self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
         )
-        self.vote = StepVote(self.ctx)
+        self.vote = StepVote(self.ctx, self.cfg.preempt.vote_every_s)
         self._train_sums = WeightedSums(self.ctx.device)
         self._batches: Iterator | None = None
         self._steps_left = 0
@@ -346,8 +348,12 @@ class Trainer:
                 self._end_epoch()
             if epoch_ended or self.progress.global_step % self.cfg.train.log_every_steps == 0:
                 self._reduce_train_metrics()
-            # The vote posted now is read at the next boundary: it overlaps the next step.
-            requests = self.vote.post(self._local_requests())
+            if self.signals.requested is not None and not self._preempt_announced:
+                self._announce_signal()  # at the step it arrived in, though the vote may come later
+            # The vote posted now is read at the next voting boundary: it overlaps the steps between.
+            requests = self.vote.post(self._local_requests)
+            if requests.snapshot_failed:
+                self.snapshots.raise_write_failure()
             next_state = decide(self.progress, self.plan, requests)
             if next_state is not State.TRAIN:
                 if self._train_sums.count:
@@ -387,7 +393,8 @@ class Trainer:
         # Timed snapshots count from this attempt, committed or not: a store that is down is
         # tried again one interval later, not at every step.
         self._last_snapshot_time = time.monotonic()
-        self.events.snapshotted(report)
+        if report is not None:  # None: written in the background, reported when done
+            self.events.snapshotted(report)
         return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
 
     def _attach_observers(self) -> None:
@@ -420,13 +427,26 @@ class Trainer:
 
     def _local_requests(self) -> Requests:
         if self.signals.requested is not None and not self._preempt_announced:
-            self._preempt_announced = True
-            log.warning("rank %d received %s at step %d: finishing the step, then a snapshot and exit %d",
-                        self.ctx.rank, self.signals.requested, self.progress.global_step, PREEMPTED_EXIT_CODE)
-            self.events.preempt_requested(self.signals.requested, self.progress.global_step)
+            self._announce_signal()
         every_s = self.cfg.snapshot.every_seconds
         timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
-        return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired)
+        if self.ctx.is_main and self.snapshots.asynchronous:
+            report = self.snapshots.poll()  # a background write finished since the last vote
+            if report is not None:
+                self.events.snapshotted(report)
+        return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired,
+                        snapshot_failed=self.ctx.is_main and self.snapshots.write_failed)
+
+    def _flush_snapshots(self) -> None:
+        report = self.snapshots.flush()
+        if report is not None and self.ctx.is_main:
+            self.events.snapshotted(report)
+
+    def _announce_signal(self) -> None:
+        self._preempt_announced = True
+        log.warning("rank %d received %s at step %d: every rank stops at the next agreed step, snapshots it and exits %d",
+                    self.ctx.rank, self.signals.requested, self.progress.global_step, PREEMPTED_EXIT_CODE)
+        self.events.preempt_requested(self.signals.requested, self.progress.global_step)
 
     def _preempted(self, src: State, dst: State, step: int) -> None:
         self.run_log.current["preempted"] = 1

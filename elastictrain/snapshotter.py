@@ -33,6 +33,7 @@ from .config import Config
 from .dist import DistContext, broadcast_from_main, gather_to_main
 from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
+from .staging import Stager
 from .snapshot import (
     FORMAT_VERSION,
     MODEL_OBJECT,
@@ -82,6 +83,12 @@ class Snapshotter:
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
+        # snapshot.async_write: rank 0 stages into reused buffers and writes in a thread, one at a time.
+        self.asynchronous = cfg.snapshot.async_write
+        self._stager = Stager()
+        self._in_flight: BackgroundWrite | None = None
+        self._write_failed: str | None = None  # a background write failed for good: the run stops
+        self._write_crash: BaseException | None = None
 
     @property
     def url(self) -> str:
@@ -195,27 +202,98 @@ class Snapshotter:
 
     # -- save ---------------------------------------------------------------------------------
 
-    def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport:
-        """Commit a snapshot of this step; every rank returns the same report (or raises the same error)."""
+    def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport | None:
+        """Take a snapshot of this step on every rank; every rank returns the same report or raises the same error.
+
+        Written in the background (``snapshot.async_write``), it returns None: the report comes
+        from ``poll`` once the write is done, and ``flush`` waits for it.
+        """
         started = time.monotonic()
         mine = {"rng": capture_rng(self.ctx.device), **{n: c.state_dict() for n, c in self.rank_statefuls.items()}}
         rank_states = gather_to_main(mine, self.ctx)
-        outcome = self._commit(step, rank_states, meta, started) if self.ctx.is_main else None
+        outcome = None
+        if self.ctx.is_main:
+            outcome = self._start_write(step, rank_states, meta, started) if self.asynchronous else \
+                self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
         # The one point where all ranks learn the outcome together: nobody trains on while
         # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
         committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
         if stop:
             raise StorageError(error)
+        if self.asynchronous and error is None:
+            return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error)
 
-    def _commit(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
-        state = self._state_dict(rank_states)
+    # -- asynchronous writes: stage at the step boundary, write in the background ----------
 
+    def _start_write(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
+        """Rank 0: wait for the write in flight, stage this step's state into reused buffers, write it in a thread."""
+        self._join_write()  # at most one in flight: staging reuses the buffers the last one wrote from
+        if self._write_failed is not None:
+            return False, 0, self._write_failed, True
+        if self._lease is not None and self._lease.lost is not None:
+            return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
+        staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
+        blocked_s = time.monotonic() - started
+        self._in_flight = BackgroundWrite(
+            step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
+        return False, 0, None, False
+
+    def poll(self) -> SnapshotReport | None:
+        """Rank 0, between steps: the report of a background write that has finished since the last poll."""
+        if self._in_flight is None or self._in_flight.running:
+            return None
+        return self._join_write()
+
+    @property
+    def write_failed(self) -> bool:
+        """Rank 0: a background write failed for good (or crashed); the ranks must stop at the next vote."""
+        return self._write_failed is not None
+
+    def raise_write_failure(self) -> None:
+        """Every rank, once the vote agreed that rank 0's background write failed: stop with one line."""
+        if self._write_crash is not None:
+            raise self._write_crash  # a bug in the writer keeps its traceback
+        raise StorageError(self._write_failed or "rank 0's background snapshot write failed for good (its log says why); "
+                           "the next launch resumes from the newest committed snapshot")
+
+    def flush(self) -> SnapshotReport | None:
+        """Every rank, before DONE and PREEMPTED: wait for the background write and agree on its outcome."""
+        if not self.asynchronous:
+            return None
+        outcome = None
+        if self.ctx.is_main:
+            report = self._join_write()
+            outcome = (report, self._write_failed)
+        report, failed = broadcast_from_main(outcome, self.ctx)
+        if failed is not None:
+            self._write_failed = failed
+            self.raise_write_failure()
+        return report
+
+    def _join_write(self) -> SnapshotReport | None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return None
+        flight.join()
+        if flight.crash is not None:
+            self._write_crash = flight.crash
+            self._write_failed = f"the background snapshot write of step {flight.step} crashed: {flight.crash!r}"
+            return SnapshotReport(flight.step, False, flight.blocked_s, 0, self._write_failed, flight.write_s)
+        committed, size, error, stop = flight.outcome
+        if stop:
+            self._write_failed = error
+        return SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s)
+
+    # -- the commit itself (rank 0) -----------------------------------------------------------
+
+    def _commit(self, step: int, model_state: dict[str, Any], state: dict[str, Any], meta: dict[str, Any],
+                started: float) -> tuple:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
             torch.save(state, fileobj)
 
-        writers = {MODEL_OBJECT: writer_for(self.model.state_dict()), STATE_OBJECT: write_state}
+        writers = {MODEL_OBJECT: writer_for(model_state), STATE_OBJECT: write_state}
         if self._lease is not None and self._lease.lost is not None:
             return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
         try:
@@ -270,9 +348,42 @@ class Snapshotter:
         }
 
     def close(self) -> None:
+        if self._in_flight is not None:  # leaving for any reason: a snapshot half written would be lost
+            self._in_flight.join(timeout=max(60.0, 3 * self.cfg.snapshot.retry_for_s))
+            self._in_flight = None
         if self._lease is not None:
             self._lease.stop()
             self._lease = None
+
+
+class BackgroundWrite:
+    """One snapshot written by a daemon thread; its outcome is read on the training thread after ``join``."""
+
+    def __init__(self, step: int, blocked_s: float, write: Any) -> None:
+        self.step = step
+        self.blocked_s = blocked_s  # training blocked to stage it
+        self.write_s = 0.0
+        self.outcome: tuple | None = None  # what Snapshotter._commit returns
+        self.crash: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"elastictrain-snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self, write: Any) -> None:
+        started = time.monotonic()
+        try:
+            self.outcome = write()
+        except BaseException as exc:  # reported on the training thread, never lost
+            log.exception("the background snapshot write of step %d crashed", self.step)
+            self.crash = exc
+        finally:
+            self.write_s = time.monotonic() - started
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

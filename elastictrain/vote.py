@@ -1,20 +1,28 @@
-"""The per-step vote: requests every rank must agree on travel together in one tiny all_reduce.
+"""The vote: requests every rank must agree on travel together in one tiny all_reduce.
 
 A request raised on any rank (a preemption signal reached this worker; rank 0's snapshot timer
 fired) must be acted on by every rank at the same step, or the ranks would leave the loop at
-different steps and hang in each other's collectives. Each step boundary posts this rank's
+different steps and hang in each other's collectives. A voting step boundary posts this rank's
 requests as a few numbers in ONE all_reduce, started asynchronously so it overlaps the next
-step's compute, and reads the result of the previous post; every rank reads the same result at
+steps' compute, and reads the result of the previous post; every rank reads the same result at
 the same boundary, so they agree. ``settle`` (used whenever the loop leaves TRAIN and after
 EVALUATE and SNAPSHOT) waits for anything in flight and exchanges once more synchronously, so no
 vote crosses a state boundary.
+
+How often: at most once per step, and no more often than every ``every_s`` seconds. A collective
+per step costs a tiny model several percent on a busy CPU (its gloo thread competes with the
+step), while a request can wait a few milliseconds: a signal leaves the job ~30 s to stop. Rank
+0 measures the step time between votes and proposes the number of steps to the next vote inside
+the vote itself, so every rank reads the same cadence at the same step and they never disagree
+on which boundaries vote.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, fields
-
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,36 +35,45 @@ class Requests:
 
     preempt: bool = False  # a preemption signal reached some rank
     snapshot: bool = False  # rank 0's snapshot.every_seconds timer fired
+    snapshot_failed: bool = False  # rank 0's background snapshot write failed for good: every rank stops
 
     def __or__(self, other: "Requests") -> "Requests":
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})
 
-    def to_tensor(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float32, device=device)
-
-    @classmethod
-    def from_tensor(cls, values: torch.Tensor) -> "Requests":
-        flags = values.cpu().tolist()
-        return cls(**{f.name: flags[i] > 0 for i, f in enumerate(fields(cls))})
-
 
 NOTHING = Requests()
+MAX_STEPS_BETWEEN_VOTES = 64  # bounds the delay in steps too, whatever the step time
 
 
 class StepVote:
-    """Post this rank's requests each step; read the agreed result one step later."""
+    """Post this rank's requests at agreed step boundaries; read the agreed result at the next one.
 
-    def __init__(self, ctx: DistContext) -> None:
+    ``every_s``: the least time between two votes (0: every step). The vote's tensor carries the
+    request flags, OR-ed as a sum, and one more number only rank 0 fills: the steps until the
+    next vote.
+    """
+
+    def __init__(self, ctx: DistContext, every_s: float = 0.0) -> None:
         self.ctx = ctx
+        self.every_s = every_s
+        self.steps_between = 1  # agreed: every rank applies the same value at the same boundary
+        self._countdown = 0
+        self._window: tuple[float, int] | None = None  # rank 0: (time, steps) since the last post
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def post(self, local: Requests) -> Requests:
-        """Start exchanging ``local`` and return the agreed result of the previous post."""
+    def post(self, local: Callable[[], Requests]) -> Requests:
+        """At a voting boundary, start exchanging ``local()`` and return the agreed result of the previous post."""
         if not self.ctx.distributed:
-            return local
+            return local()
+        self._countdown -= 1
+        if self._countdown > 0:
+            if self._window is not None:
+                self._window = (self._window[0], self._window[1] + 1)
+            return NOTHING
         agreed = self._collect()
-        values = local.to_tensor(self.ctx.device)
+        values = self._tensor(local(), self._proposal())
         self._pending = (all_reduce_sum_start(values, self.ctx), values)
+        self._countdown = self.steps_between
         return agreed
 
     def settle(self, local: Requests) -> Requests:
@@ -64,7 +81,30 @@ class StepVote:
         if not self.ctx.distributed:
             return local
         agreed = self._collect()
-        return agreed | Requests.from_tensor(all_reduce_sum(local.to_tensor(self.ctx.device), self.ctx))
+        settled = self._read(all_reduce_sum(self._tensor(local, 0), self.ctx))
+        self._countdown, self._window = 0, None  # the next boundary votes; time outside TRAIN is no step time
+        return agreed | settled
+
+    def _proposal(self) -> int:
+        """Rank 0: steps until the vote after this one, from the mean step time since the last vote."""
+        if not self.ctx.is_main:
+            return 0
+        now, window = time.perf_counter(), self._window
+        self._window = (now, 1)
+        if self.every_s <= 0 or window is None:
+            return 1
+        step_s = (now - window[0]) / window[1]
+        return max(1, min(MAX_STEPS_BETWEEN_VOTES, math.floor(self.every_s / step_s) if step_s > 0 else MAX_STEPS_BETWEEN_VOTES))
+
+    def _tensor(self, local: Requests, proposal: int) -> torch.Tensor:
+        flags = [float(getattr(local, f.name)) for f in fields(Requests)]
+        return torch.tensor([*flags, float(proposal)], dtype=torch.float32, device=self.ctx.device)
+
+    def _read(self, values: torch.Tensor) -> Requests:
+        numbers = values.cpu().tolist()
+        if numbers[-1] >= 1:  # 0 from settle: keep the cadence
+            self.steps_between = int(numbers[-1])
+        return Requests(**{f.name: numbers[i] > 0 for i, f in enumerate(fields(Requests))})
 
     def _collect(self) -> Requests:
         if self._pending is None:
@@ -72,4 +112,4 @@ class StepVote:
         work, values = self._pending
         self._pending = None
         work.wait()
-        return Requests.from_tensor(values)
+        return self._read(values)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.storage import SnapshotStore
+from elastictrain.vote import MAX_STEPS_BETWEEN_VOTES
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -47,6 +48,16 @@ def assert_zero_lost_steps_and_bitwise(workdir: Path, reference, output: str, pr
         assert stitch(attempts, [0, preempted_step]) == reference.traces[rank]
 
 
+def preempted_step(output: str, signalled_in: int) -> int:
+    """The one step the job stopped at: after the signal's step, within two votes of it."""
+    found = [int(s) for s in PREEMPTED.findall(output)]
+    assert len(found) == 1, output[-3000:]
+    # The signal is posted at the first voting boundary after its step and read at the next one;
+    # the pause inside the signalled step makes rank 0 propose a vote at every step after it.
+    assert signalled_in < found[0] <= signalled_in + 2 * MAX_STEPS_BETWEEN_VOTES, found
+    return found[0]
+
+
 def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaunch_loses_nothing(tmp_path, reference_run):
     same_command = ["task.args.pause_rank=0", "task.args.pause_at_step=37"]  # the pause happens once per job
     job = launch_job(tmp_path, "first", same_command)
@@ -55,41 +66,44 @@ def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaun
     job.wait(TIMEOUT_S)
     exited_s = time.monotonic() - sent[0]
     output = job.output()
-    # The signal reached rank 0 inside step 37; the vote posted at that boundary is read at the
-    # next one, so every rank stops after step 38 and rank 0 commits exactly that step.
-    assert [int(s) for s in PREEMPTED.findall(output)] == [38], output[-3000:]
-    assert "state SNAPSHOT -> PREEMPTED at step 38" in output
-    assert SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()[0].step == 38
+    # The signal reached rank 0 inside step 37; every rank stops at one later step and rank 0
+    # commits exactly that step.
+    stopped = preempted_step(output, 37)
+    assert "rank 0 received SIGTERM at step 37" in output
+    assert f"state SNAPSHOT -> PREEMPTED at step {stopped}" in output
+    assert SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()[0].step == stopped
     assert "Traceback" not in "\n".join(line for line in output.splitlines() if "[elastictrain r" in line)
     print(f"SIGTERM to agent -> agent exited: {exited_s:.2f} s")
 
     again = launch_job(tmp_path, "second", same_command)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
-    assert start_steps(again.output()) == [38]
+    assert start_steps(again.output()) == [stopped]
     summary = parse_job(again.output()).summary
     assert summary["attempts"] == "2", "the relaunch is the run's second attempt"
-    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, again.output(), 38)
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, again.output(), stopped)
 
 
 def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_restarts_with_nothing_lost(tmp_path, reference_run):
-    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61"])
+    # Snapshots written in the background: the preemption snapshot is waited for before exit 143.
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61", "snapshot.async_write=true"])
     pause_then(tmp_path, job, 1, lambda pid: os.kill(pid, signal.SIGTERM))
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     output = job.output()
-    assert [int(s) for s in PREEMPTED.findall(output)] == [62]
+    stopped = preempted_step(output, 61)
     assert "rank 1 received SIGTERM at step 61" in output  # inside step 61, noticed at its end
     # The workers left with 143; torchrun counted one failed attempt and restarted from step 62.
     assert "failed (exitcode: 143)" in output
-    assert start_steps(output) == [0, 62]
+    assert start_steps(output) == [0, stopped]
     assert parse_job(output).summary["restart"] == "1"
-    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, output, 62)
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, output, stopped)
 
 
 def test_a_second_signal_during_the_snapshot_write_does_not_tear_it(tmp_path, reference_run):
     """SIGTERM, then SIGTERM and SIGINT again while rank 0 is inside the preemption snapshot's write."""
     failpoints = tmp_path / "failpoints"
     failpoints.mkdir()
-    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=20"],
+    # A vote at every step, so the preemption snapshot is of step 21 and its write meets the failpoint.
+    job = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=20", "preempt.vote_every_s=0"],
                      env={"ELASTICTRAIN_FAILPOINT": f"snapshot-write@21:{failpoints}"})
     pause_then(tmp_path, job, 0, lambda pid: os.kill(pid, signal.SIGTERM))
     writer_pid = int(procs.wait_for_file(failpoints / "failpoint-snapshot-write.pid", TIMEOUT_S, job))
