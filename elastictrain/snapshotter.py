@@ -30,7 +30,7 @@ from torch import nn
 
 from . import errors, failpoints
 from .config import Config
-from .dist import DistContext, broadcast_from_main, gather_to_main
+from .dist import DistContext, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
 from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .staging import Stager
@@ -115,12 +115,12 @@ class Snapshotter:
                     )
             except ElastictrainError as exc:
                 error = (type(exc).__name__, str(exc))
-        found, error = broadcast_from_main((found, error), self.ctx)
+        manifest, error = broadcast_from_main((found[0] if found else None, error), self.ctx)
         if error is not None:
             raise getattr(errors, error[0], ElastictrainError)(error[1])
-        if found is None:
+        if manifest is None:
             return None
-        manifest, objects = found
+        objects = broadcast_bytes_from_main(found[1] if found else None, self.ctx)
         self._load(manifest, objects)
         self.last_committed = (manifest.step, manifest.created_unix)
         saved_world_size = int(manifest.meta.get("world_size", self.ctx.world_size))

@@ -1,0 +1,172 @@
+"""What a snapshot of a ~200 MB state costs training: blocking, asynchronous, and DCP async_save.
+
+One process trains the 16.7 M-parameter MLP with Adam of ``_big_task.py`` (a ~200 MB snapshot)
+with elastictrain, in turn with snapshots off, blocking (``snapshot.async_write=false``) and in
+the background (``snapshot.async_write=true``), every ``--every`` steps to a local directory;
+repetitions rotate the order. For each mode it reports the step time (the span between the
+forward of the first and the last step, divided by the steps: snapshots included), the time
+training was blocked per snapshot (the reports the observers get), and rank 0's resident
+memory at the end. In the same process it times ``torch.distributed.checkpoint.async_save`` of
+the same model and optimizer state: its blocking part (until it returns) and the whole save.
+
+The amortised slow-down at one snapshot per 30 s is the measured extra time per snapshot
+(step time with snapshots minus without, times the steps between snapshots) over 30 s.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/snapshot_cost.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks import _big_task
+from elastictrain import Trainer
+from elastictrain.events import Observer
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODES = ("off", "blocking", "async")
+
+
+class Reports(Observer):
+    def __init__(self) -> None:
+        self.reports = []
+
+    def snapshotted(self, report) -> None:
+        self.reports.append(report)
+
+
+def train(mode: str, steps: int, every: int, workdir: pathlib.Path) -> dict:
+    task = _big_task.build(samples=steps * 32)
+    stamps: list[float] = []
+    loss_fn = task.loss_fn
+
+    def timed_loss(module, batch):
+        stamps.append(time.perf_counter())
+        return loss_fn(module, batch)
+
+    task.loss_fn = timed_loss
+    run_dir = workdir / f"run-{mode}-{time.time_ns()}"
+    reports = Reports()
+    trainer = Trainer.from_task(task, {
+        "run": {"dir": str(run_dir)},
+        "train": {"max_epochs": 1, "batch_size": 32, "log_every_steps": 1000},
+        "snapshot": {"every_steps": 0 if mode == "off" else every, "on_done": False, "keep_last": 2,
+                     "async_write": mode == "async", "lease_stale_after_s": 0},
+        "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
+    }, observers=[reports])
+    trainer.fit()
+    staged_mb = trainer.snapshots._stager.nbytes / 1e6
+    shutil.rmtree(run_dir)
+    committed = [r for r in reports.reports if r.committed]
+    return {
+        "step_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        "snapshots": len(committed),
+        "blocked_s": [r.duration_s for r in committed],
+        "write_s": [r.write_s for r in committed],
+        "staging_buffers_mb": staged_mb,
+    }
+
+
+def dcp_async_save(workdir: pathlib.Path, trials: int) -> dict:
+    """DCP's async_save of the same state (one rank, a gloo group of one, as DCP needs a group)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    task = _big_task.build(samples=64)
+    # One step so the optimizer has its moments (the ~200 MB).
+    task.optimizer.zero_grad()
+    task.loss_fn(task.model, next(iter(torch.utils.data.DataLoader(task.train_data, batch_size=32)))).backward()
+    task.optimizer.step()
+    blocking, total = [], []
+    try:
+        for trial in range(trials):
+            state = {"model": task.model.state_dict(), "optimizer": task.optimizer.state_dict()}
+            started = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(workdir / f"dcp-{trial}"))
+            blocking.append(time.perf_counter() - started)
+            future.result()
+            total.append(time.perf_counter() - started)
+            shutil.rmtree(workdir / f"dcp-{trial}")
+    finally:
+        dist.destroy_process_group()
+    return {"blocking_s": blocking, "total_s": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temporary directory)")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "snapshot_cost.json"))
+    args = parser.parse_args()
+    started = time.time()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        workdir = pathlib.Path(tmp)
+        runs = {mode: [] for mode in MODES}
+        for repeat in range(args.repeats):
+            for mode in MODES[repeat % len(MODES):] + MODES[:repeat % len(MODES)]:
+                runs[mode].append(train(mode, args.steps, args.every, workdir))
+        dcp = dcp_async_save(workdir, trials=max(3, args.repeats))
+    off_step = statistics.median(r["step_s"] for r in runs["off"])
+    summary = {}
+    for mode in MODES:
+        step_s = statistics.median(r["step_s"] for r in runs[mode])
+        blocked = [b for r in runs[mode] for b in r["blocked_s"]]
+        row = {"step_ms": step_s * 1e3, "step_ratio_to_off": step_s / off_step}
+        if mode != "off":
+            extra_per_snapshot_s = (step_s - off_step) * args.every
+            row.update({
+                "blocked_per_snapshot_ms_median": statistics.median(blocked) * 1e3,
+                "blocked_per_snapshot_ms_max": max(blocked) * 1e3,
+                "extra_per_snapshot_s": extra_per_snapshot_s,
+                "slowdown_at_one_per_30s": max(0.0, extra_per_snapshot_s) / 30.0,
+            })
+            writes = [w for r in runs[mode] for w in r["write_s"] if w > 0]
+            if writes:
+                row["background_write_s_median"] = statistics.median(writes)
+        summary[mode] = row
+    dcp_blocking = statistics.median(dcp["blocking_s"])
+    summary["dcp_async_save"] = {"blocking_ms_median": dcp_blocking * 1e3,
+                                 "total_s_median": statistics.median(dcp["total_s"])}
+    async_blocked = summary["async"]["blocked_per_snapshot_ms_median"] / 1e3
+    summary["async_blocked_over_dcp_blocking"] = async_blocked / dcp_blocking
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    print(f"~200 MB state, a snapshot every {args.every} steps of {args.steps}, {args.repeats} repeats, one process")
+    print("| mode | step ms (median) | vs off | blocked per snapshot ms (median, max) | extra per snapshot s "
+          "| slow-down at 1 per 30 s |")
+    print("|---|---|---|---|---|---|")
+    for mode in MODES:
+        row = summary[mode]
+        if mode == "off":
+            print(f"| off | {row['step_ms']:.1f} | 1.000 | | | |")
+            continue
+        print(f"| {mode} | {row['step_ms']:.1f} | {row['step_ratio_to_off']:.3f} | "
+              f"{row['blocked_per_snapshot_ms_median']:.0f}, {row['blocked_per_snapshot_ms_max']:.0f} | "
+              f"{row['extra_per_snapshot_s']:.3f} | {100 * row['slowdown_at_one_per_30s']:.2f} % |")
+    print(f"| DCP async_save | | | {dcp_blocking * 1e3:.0f} (its whole save {summary['dcp_async_save']['total_s_median']:.2f} s) | | |")
+    print(f"async blocked / DCP async_save blocking: {summary['async_blocked_over_dcp_blocking']:.2f} (target <= 0.5); "
+          f"staging buffers {runs['async'][0]['staging_buffers_mb']:.0f} MB; peak RSS of this process {peak_rss_mb:.0f} MB")
+    pathlib.Path(args.out).write_text(json.dumps({
+        "benchmark": "snapshot_cost", "command": f"python benchmarks/snapshot_cost.py --repeats {args.repeats}",
+        "torch": torch.__version__, "python": platform.python_version(), "started_unix_s": started,
+        "wall_s": time.time() - started, "settings": vars(args), "summary": summary, "runs": runs, "dcp": dcp,
+        "peak_rss_mb": peak_rss_mb,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
