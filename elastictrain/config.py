@@ -80,6 +80,12 @@ class SnapshotConfig(_Section):
     # Training waits only while rank 0 copies the state into reused CPU buffers; the write runs in a
     # thread, one at a time. Costs one more copy of the model and optimizer state in rank 0's memory.
     async_write: bool = False
+    # The fast tier: a node-local path (tmpfs such as /dev/shm, or $SLURM_TMPDIR; $VARS are expanded)
+    # where each node keeps its own full copy every local_every_steps; a restart restores the newest
+    # snapshot any node or the durable store holds. None: off.
+    local_url: str | None = None
+    local_every_steps: NonNegativeInt = 0  # 0: only at durable snapshots (when local_url is set)
+    local_keep_last: PositiveInt = 2
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
     # data.shuffle); a key here also accepts every key below it.
@@ -173,6 +179,13 @@ class Config(_Section):
     @property
     def snapshot_url(self) -> str:
         return self.snapshot.url or os.path.join(self.run_dir, "snapshots")
+
+    @property
+    def local_snapshot_url(self) -> str | None:
+        """This node's fast tier, one directory per run name; None when the tier is off."""
+        if not self.snapshot.local_url:
+            return None
+        return os.path.join(os.path.expandvars(os.path.expanduser(self.snapshot.local_url)), self.run.name)
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """The config as plain data; ``redact=True`` hides storage secrets (for snapshots and logs)."""

@@ -359,8 +359,8 @@ def all_reduce_sum_start(values: torch.Tensor, ctx: DistContext) -> Any:
     return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
 
 
-def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContext) -> dict[str, Any]:
-    """Rank 0's named byte strings on every rank, each sent as one uint8 tensor.
+def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContext, src: int = 0) -> dict[str, Any]:
+    """Rank ``src``'s named byte strings on every rank, each sent as one uint8 tensor.
 
     Pickling bytes through ``broadcast_object_list`` copies them twice on each side: for a
     200 MB snapshot on 2 gloo ranks that took 1.1-1.3 s against 0.27-0.33 s as a tensor.
@@ -368,25 +368,26 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
     """
     if not ctx.distributed:
         return dict(payloads or {})
-    sizes = broadcast_from_main({name: len(data) for name, data in payloads.items()} if ctx.is_main else None, ctx)
+    sending = ctx.rank == src
+    sizes = broadcast_from_main({name: len(data) for name, data in payloads.items()} if sending else None, ctx, src)
     received: dict[str, Any] = {}
     for name, size in sizes.items():
-        if ctx.is_main:
+        if sending:
             with warnings.catch_warnings():  # the bytes are only read: not being writable is fine
                 warnings.simplefilter("ignore", UserWarning)
                 tensor = torch.frombuffer(payloads[name], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
         else:
             tensor = torch.empty(size, dtype=torch.uint8)
         on_device = tensor.to(ctx.device) if ctx.backend == "nccl" else tensor
-        dist.broadcast(on_device, src=0)
-        received[name] = payloads[name] if ctx.is_main else memoryview(on_device.cpu().numpy()).toreadonly()
+        dist.broadcast(on_device, src=src)
+        received[name] = payloads[name] if sending else memoryview(on_device.cpu().numpy()).toreadonly()
     return received
 
 
-def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
-    """Rank 0's ``obj`` on every rank."""
+def broadcast_from_main(obj: Any, ctx: DistContext, src: int = 0) -> Any:
+    """Rank ``src``'s (rank 0's) ``obj`` on every rank."""
     if not ctx.distributed:
         return obj
-    holder = [obj if ctx.is_main else None]
-    dist.broadcast_object_list(holder, src=0, device=ctx.device if ctx.backend == "nccl" else None)
+    holder = [obj if ctx.rank == src else None]
+    dist.broadcast_object_list(holder, src=src, device=ctx.device if ctx.backend == "nccl" else None)
     return holder[0]

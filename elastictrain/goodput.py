@@ -30,7 +30,8 @@ CAUSES = ("productive", "snapshot", "restore", "recompute", "evaluate", "restart
 HIGH_WATER_KEY = "high_water_step"  # in RunInfo.store: the highest global step any attempt trained to
 
 # Seconds spent in a state go to one cause; TRAIN is split between productive and recompute by step.
-_CAUSE_OF_STATE = {State.SNAPSHOT: "snapshot", State.RESTORE: "restore", State.EVALUATE: "evaluate"}
+_CAUSE_OF_STATE = {State.SNAPSHOT: "snapshot", State.LOCAL_SNAPSHOT: "snapshot", State.RESTORE: "restore",
+                   State.EVALUATE: "evaluate"}
 
 # A Trainer run twice in one process (a notebook, an in-process test) must not count the
 # process's whole age as the second run's restart time: it counts from the first one's end.

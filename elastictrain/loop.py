@@ -64,6 +64,7 @@ class Plan:
     has_val_data: bool
     snapshot_every_steps: int
     snapshot_on_done: bool
+    local_every_steps: int = 0  # the fast tier's interval (0: off)
 
 
 def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> State:
@@ -92,6 +93,12 @@ def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> S
     )
     if snapshot_due:
         return State.SNAPSHOT
+    local_due = (
+        not finished and plan.local_every_steps > 0 and progress.global_step > 0 and not snapshot_taken
+        and progress.global_step % plan.local_every_steps == 0 and progress.last_local_snapshot_step != progress.global_step
+    )
+    if local_due:
+        return State.LOCAL_SNAPSHOT
     return State.DONE if finished else State.TRAIN
 
 
@@ -165,6 +172,7 @@ class Trainer:
             State.TRAIN: self._train,
             State.EVALUATE: self._evaluate,
             State.SNAPSHOT: self._snapshot,
+            State.LOCAL_SNAPSHOT: self._local_snapshot,
         }
 
     @classmethod
@@ -211,6 +219,7 @@ class Trainer:
         self._started_unix = time.time()
         self.ctx: dist.DistContext | None = None
         self.snapshots: Snapshotter | None = None
+        self.local_snapshots: Snapshotter | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self.signals.install()
         try:
@@ -223,8 +232,9 @@ class Trainer:
             self._fail(exc)
         finally:
             self.signals.uninstall()
-            if self.snapshots is not None:
-                self.snapshots.close()
+            for snapshots in (self.snapshots, self.local_snapshots):
+                if snapshots is not None:
+                    snapshots.close()
             self.events.closed()
             if self.ctx is not None:
                 dist.teardown(self.ctx)
@@ -296,9 +306,14 @@ class Trainer:
             "progress": self.progress, "history": self.history, "run_log": self.run_log, "goodput": self.goodput,
         }, train_samples=None if self.stream else len(self.task.train_data),
             rank_statefuls={"train_data": self.task.train_data} if self.stream else {})
+        # The fast tier: a full copy on each node, restored from first when it is the newest.
+        self.local_snapshots = Snapshotter(
+            self.cfg, self.ctx, self.snapshots.model, self.snapshots.statefuls, self.snapshots.train_samples,
+            self.snapshots.rank_statefuls, tier="local") if self.cfg.local_snapshot_url else None
         self.plan = Plan(
             train.max_epochs, train.max_steps, train.eval_every_epochs, self.task.val_data is not None,
             self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
+            self.cfg.snapshot.local_every_steps if self.local_snapshots else 0,
         )
         self.vote = StepVote(self.ctx, self.cfg.preempt.vote_every_s)
         self._train_sums = WeightedSums(self.ctx.device)
@@ -314,7 +329,7 @@ class Trainer:
         return State.RESTORE
 
     def _restore(self) -> State:
-        restored = self.snapshots.restore()
+        restored = self.snapshots.restore(self.local_snapshots)
         if restored is None:
             seed_rng(self.cfg.run.seed + self.ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)
@@ -386,16 +401,27 @@ class Trainer:
 
     def _snapshot(self) -> State:
         self.progress.last_snapshot_step = self.progress.global_step
+        if self.local_snapshots is not None:  # a durable snapshot is a fast one too: restarts read memory
+            self.progress.last_local_snapshot_step = self.progress.global_step
         self.run_log.current["wall_s"] = time.monotonic() - self._started
-        report = self.snapshots.save(self.progress.global_step, {
-            "epoch": self.progress.epoch, "epoch_offset": self.progress.epoch_offset, "world_size": self.ctx.world_size,
-        })
+        report = self.snapshots.save(self.progress.global_step, self._snapshot_meta())
+        if self.local_snapshots is not None:
+            self.local_snapshots.save(self.progress.global_step, self._snapshot_meta())
         # Timed snapshots count from this attempt, committed or not: a store that is down is
         # tried again one interval later, not at every step.
         self._last_snapshot_time = time.monotonic()
         if report is not None:  # None: written in the background, reported when done
             self.events.snapshotted(report)
         return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+
+    def _local_snapshot(self) -> State:
+        self.progress.last_local_snapshot_step = self.progress.global_step
+        self.run_log.current["wall_s"] = time.monotonic() - self._started
+        self.local_snapshots.save(self.progress.global_step, self._snapshot_meta())
+        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+
+    def _snapshot_meta(self) -> dict[str, Any]:
+        return {"epoch": self.progress.epoch, "epoch_offset": self.progress.epoch_offset, "world_size": self.ctx.world_size}
 
     def _attach_observers(self) -> None:
         """The watchdog on every rank; rank 0's progress report, straggler report and plots; the exporter."""
@@ -441,6 +467,9 @@ class Trainer:
         report = self.snapshots.flush()
         if report is not None and self.ctx.is_main:
             self.events.snapshotted(report)
+        last = self.snapshots.last_committed
+        if self.local_snapshots is not None and last is not None and last[0] == self.progress.global_step:
+            self.local_snapshots.clear()  # the durable store holds this step: the node's memory is given back
 
     def _announce_signal(self) -> None:
         self._preempt_announced = True

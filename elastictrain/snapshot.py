@@ -45,6 +45,7 @@ class Progress:
     samples_seen: int = 0  # global samples consumed in all epochs
     last_evaluated_step: int = -1
     last_snapshot_step: int = -1
+    last_local_snapshot_step: int = -1  # the fast tier's
 
     def advance(self, samples: int) -> None:
         self.global_step += 1
@@ -60,7 +61,7 @@ class Progress:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(state_dict[f.name]))
+            setattr(self, f.name, int(state_dict.get(f.name, f.default)))  # a newer counter is absent from older snapshots
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -30,8 +31,8 @@ from torch import nn
 
 from . import errors, failpoints
 from .config import Config
-from .dist import DistContext, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
-from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
+from .dist import DistContext, all_gather, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
+from .errors import ConfigError, ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .staging import Stager
 from .snapshot import (
@@ -71,15 +72,28 @@ class Snapshotter:
     """Save and restore the model plus every Stateful in ``statefuls`` (name -> object or None)."""
 
     def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any],
-                 train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None) -> None:
+                 train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None,
+                 tier: str = "durable") -> None:
         self.cfg = cfg
+        # "durable": rank 0 writes snapshot.url and every rank agrees on the outcome. "local": the
+        # fast tier, where each node's local rank 0 keeps its own full copy (the state is the same
+        # on every rank under DDP, and every rank's RNG is gathered to each writer); a failed fast
+        # copy is a warning, never a stop.
+        self.tier = tier
+        if tier == "durable":
+            url, options, retry_for_s = cfg.snapshot_url, cfg.snapshot.storage_options, cfg.snapshot.retry_for_s
+            self.keep_last, self.on_error, self.is_writer = cfg.snapshot.keep_last, cfg.snapshot.on_error, ctx.is_main
+        else:
+            url, options, retry_for_s = cfg.local_snapshot_url, {}, min(2.0, cfg.snapshot.retry_for_s)
+            self.keep_last, self.on_error, self.is_writer = cfg.snapshot.local_keep_last, "continue", ctx.env.local_rank == 0
+        self._size_checked = False
         # Statefuls whose state differs per rank (a stream's position), saved as one entry per rank.
         self.rank_statefuls = rank_statefuls or {}
         self.train_samples = train_samples  # the data position counts samples: another size is another dataset
         self.ctx = ctx
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
-        self.store = SnapshotStore(cfg.snapshot_url, cfg.snapshot.storage_options, retry_for_s=cfg.snapshot.retry_for_s)
+        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s)
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
@@ -96,9 +110,20 @@ class Snapshotter:
 
     # -- restore ------------------------------------------------------------------------------
 
-    def restore(self) -> Restored | None:
-        """Load the newest valid snapshot on every rank; None when training starts fresh."""
+    def restore(self, fast: Snapshotter | None = None) -> Restored | None:
+        """Load the newest valid snapshot on every rank; None when training starts fresh.
+
+        With a fast tier, every node offers the newest copy it holds and verifies; the durable
+        store is read only when it holds a newer one. The bytes travel from the rank that read
+        them to every other rank.
+        """
         started = time.monotonic()
+        local_steps, local_found = [-1], None
+        if fast is not None:
+            local_found = fast.newest_local() if self.cfg.snapshot.resume else fast.clear()
+            offer = (local_found[0].step if local_found else -1, self.ctx.env.node_rank)
+            local_steps, nodes = zip(*all_gather(offer, self.ctx))
+        newest_local = max(local_steps)
         found, error = None, None
         if self.ctx.is_main:
             try:
@@ -106,7 +131,7 @@ class Snapshotter:
                 self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
                 self._lease.start()
                 if self.cfg.snapshot.resume:
-                    found = self.store.latest_valid()
+                    found = self.store.latest_valid(newer_than=newest_local)
                 elif self.store.list_snapshots():
                     # A fresh run writing beside another run's snapshots would mix the two.
                     raise SnapshotError(
@@ -118,16 +143,44 @@ class Snapshotter:
         manifest, error = broadcast_from_main((found[0] if found else None, error), self.ctx)
         if error is not None:
             raise getattr(errors, error[0], ElastictrainError)(error[1])
-        if manifest is None:
+        if manifest is not None:  # the durable store's is the newest: rank 0 read it
+            objects = broadcast_bytes_from_main(found[1] if found else None, self.ctx)
+            self._load(manifest, objects, f"snapshot {self.store.url}/{manifest.snapshot_id}")
+            self.last_committed = (manifest.step, manifest.created_unix)
+        elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
+            holder = local_steps.index(newest_local)
+            manifest = broadcast_from_main(local_found[0] if local_found else None, self.ctx, src=holder)
+            objects = broadcast_bytes_from_main(local_found[1] if local_found else None, self.ctx, src=holder)
+            self._load(manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}")
+            log.info("restored step %d from the node-local tier of node %d (rank %d)%s", manifest.step, nodes[holder],
+                     holder, "" if holder == self.ctx.rank else ", sent to this rank")
+        else:
             return None
-        objects = broadcast_bytes_from_main(found[1] if found else None, self.ctx)
-        self._load(manifest, objects)
-        self.last_committed = (manifest.step, manifest.created_unix)
         saved_world_size = int(manifest.meta.get("world_size", self.ctx.world_size))
         return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
-    def _load(self, manifest: Manifest, objects: dict[str, bytes]) -> None:
-        where = f"snapshot {self.store.url}/{manifest.snapshot_id}"
+    def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
+        """This node's newest fast copy that verifies (on each node's writer; None elsewhere)."""
+        if not self.is_writer:
+            return None
+        try:
+            return self.store.latest_valid()
+        except ElastictrainError as exc:  # nothing usable here; another node or the durable store may have one
+            log.warning("node-local snapshots at %s are not usable: %s", self.store.url, exc)
+            return None
+
+    def clear(self) -> None:
+        """Remove this node's fast copies (at DONE, PREEMPTED, or when a run starts fresh)."""
+        if not self.is_writer:
+            return
+        self._join_write()
+        try:
+            if self.store.fs.exists(self.store.root):
+                self.store.fs.rm(self.store.root, recursive=True)
+        except OSError as exc:
+            log.warning("could not remove the node-local snapshots at %s: %s", self.store.url, exc)
+
+    def _load(self, manifest: Manifest, objects: dict[str, bytes], where: str) -> None:
         for name in (MODEL_OBJECT, STATE_OBJECT):
             if name not in objects:
                 raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
@@ -210,6 +263,8 @@ class Snapshotter:
         """
         started = time.monotonic()
         mine = {"rng": capture_rng(self.ctx.device), **{n: c.state_dict() for n, c in self.rank_statefuls.items()}}
+        if self.tier == "local":
+            return self._save_local(step, all_gather(mine, self.ctx), meta, started)
         rank_states = gather_to_main(mine, self.ctx)
         outcome = None
         if self.ctx.is_main:
@@ -220,9 +275,43 @@ class Snapshotter:
         committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
         if stop:
             raise StorageError(error)
+        if committed and not self.ctx.is_main:
+            self.last_committed = (step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and error is None:
             return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error)
+
+    def _save_local(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
+        """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node."""
+        refused = None
+        if self.is_writer and not self._size_checked:
+            refused = self._check_fits(rank_states)
+            self._size_checked = True
+        refusals = [r for r in all_gather(refused, self.ctx) if r is not None]
+        if refusals:
+            raise ConfigError(refusals[0])
+        if not self.is_writer:
+            return None
+        if self.asynchronous:
+            self._start_write(step, rank_states, meta, started)
+            return None
+        committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error)
+
+    def _check_fits(self, rank_states: list[dict]) -> str | None:
+        """The fast tier must not fill the node's memory: its size is known now, before the first write."""
+        state_bytes = _tensor_bytes(self.model.state_dict()) + _tensor_bytes(self._state_dict(rank_states))
+        needed = state_bytes * (self.keep_last + 1)  # the kept copies and the one being written
+        path = self.store.root
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        free = shutil.disk_usage(path).free
+        if needed <= free:
+            return None
+        return (f"the node-local snapshot tier {self.store.url} needs about {needed / 1e6:.0f} MB "
+                f"({self.keep_last} kept + 1 being written, {state_bytes / 1e6:.0f} MB each) but {path} has "
+                f"{free / 1e6:.0f} MB free; lower snapshot.local_keep_last, point snapshot.local_url at a larger "
+                "node-local path, or set it to null — the durable snapshots are untouched")
 
     # -- asynchronous writes: stage at the step boundary, write in the background ----------
 
@@ -269,6 +358,8 @@ class Snapshotter:
         if failed is not None:
             self._write_failed = failed
             self.raise_write_failure()
+        if report is not None and report.committed and not self.ctx.is_main:
+            self.last_committed = (report.step, time.time())
         return report
 
     def _join_write(self) -> SnapshotReport | None:
@@ -299,11 +390,11 @@ class Snapshotter:
         try:
             manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION})
         except StorageError as exc:
-            stop = not isinstance(exc, StorageUnavailable) and self.cfg.snapshot.on_error == "stop"
+            stop = not isinstance(exc, StorageUnavailable) and self.on_error == "stop"
             return False, 0, self._fell_behind(step, exc, stop), stop
         self.last_committed = (step, manifest.created_unix)
         try:
-            pruned = self.store.prune(self.cfg.snapshot.keep_last)
+            pruned = self.store.prune(self.keep_last)
         except StorageError as exc:  # old snapshots stay a little longer; the new one is safe
             log.warning("snapshot %s committed, but pruning older ones failed: %s", manifest.snapshot_id, exc)
             pruned = []
@@ -384,6 +475,16 @@ class BackgroundWrite:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in tree)
+    return 0
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

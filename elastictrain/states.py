@@ -20,6 +20,7 @@ class State(enum.Enum):
     TRAIN = "train"  # optimizer steps until something else is due
     EVALUATE = "evaluate"  # one pass over the validation data
     SNAPSHOT = "snapshot"  # the whole training state committed to storage
+    LOCAL_SNAPSHOT = "local_snapshot"  # the whole training state copied to each node's fast tier
     PREEMPTED = "preempted"  # stopped on request with a snapshot written; the next launch resumes
     DONE = "done"  # training finished; final snapshot written
     FAILED = "failed"  # an exception ended the worker
@@ -31,11 +32,13 @@ TERMINAL = frozenset({State.PREEMPTED, State.DONE, State.FAILED})
 _EDGES: dict[State, frozenset[State]] = {
     State.SETUP: frozenset({State.RESTORE}),
     # RESTORE -> PREEMPTED: a signal before the first step, with the restored snapshot current.
-    State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
-    State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
-    State.EVALUATE: frozenset({State.TRAIN, State.SNAPSHOT, State.DONE, State.PREEMPTED}),
+    State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
+    State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
+    State.EVALUATE: frozenset({State.TRAIN, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
     # PREEMPTED and DONE are entered after their snapshot is committed.
     State.SNAPSHOT: frozenset({State.TRAIN, State.EVALUATE, State.DONE, State.PREEMPTED}),
+    # A fast-tier snapshot never ends a run: DONE and PREEMPTED take a durable one first.
+    State.LOCAL_SNAPSHOT: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.PREEMPTED}),
     State.PREEMPTED: frozenset(),
     State.DONE: frozenset(),
     State.FAILED: frozenset(),

@@ -562,10 +562,10 @@ class SnapshotStore:
                 payload[name] = data
             return manifest, payload
 
-    def latest_valid(self) -> tuple[Manifest, dict[str, bytes]] | None:
-        """Newest snapshot that verifies; None if there are none, SnapshotError if none verifies."""
+    def latest_valid(self, newer_than: int = -1) -> tuple[Manifest, dict[str, bytes]] | None:
+        """Newest snapshot above step ``newer_than`` that verifies; None if there are none, SnapshotError if none verifies."""
         with self._operation(f"cannot read snapshots under {self.url}"):
-            listings = self.list_snapshots()
+            listings = [listing for listing in self.list_snapshots() if listing.step > newer_than]
             if not listings:
                 return None
             for listing in reversed(listings):

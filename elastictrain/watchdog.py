@@ -103,7 +103,8 @@ def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool,
         if not trained_once:
             return max(settings.first_step_s, settings.hang_timeout_s)
         return max(settings.hang_timeout_s, multiple * longest_step_s)
-    base = {State.EVALUATE: settings.evaluate_s, State.SNAPSHOT: settings.snapshot_s}.get(state, settings.restore_s)
+    base = {State.EVALUATE: settings.evaluate_s, State.SNAPSHOT: settings.snapshot_s,
+            State.LOCAL_SNAPSHOT: settings.snapshot_s}.get(state, settings.restore_s)
     return max(base, settings.hang_timeout_s, multiple * longest_state_s)
 
 

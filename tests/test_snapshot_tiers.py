@@ -1,0 +1,112 @@
+"""Two snapshot tiers: each node's fast copies (snapshot.local_url) and the durable store.
+
+A restart restores the newest snapshot any tier holds and verifies; exactness is unchanged; the
+fast tier is refused before its first write when it does not fit, and cleaned at DONE."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import namedtuple
+
+import pytest
+
+from elastictrain import ConfigError, Trainer, seed_everything
+from elastictrain.storage import SnapshotStore
+from tests.conftest import parse_job
+from tests.helpers import procs
+from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.tasks import build, read_traces, stitch
+from tests.test_trainer import memory_url
+
+LOCAL_EVERY = 4
+
+
+def trainer(tmp_path, durable: str, max_steps: int | None = None, **snapshot) -> Trainer:
+    seed_everything(0)
+    task = build(str(tmp_path), raise_rank=0, raise_at_step=snapshot.pop("raise_at", -1), train_samples=512, hidden=32)
+    return Trainer.from_task(task, {
+        "snapshot": {"url": durable, "every_steps": 10, "local_url": str(tmp_path / "shm"),
+                     "local_every_steps": LOCAL_EVERY, **snapshot},
+        "train": {"max_epochs": 2, "max_steps": max_steps, "batch_size": 16, "log_every_steps": 5},
+        "log": {"progress_bar": False},
+    })
+
+
+def local_steps(tmp_path, run_name: str = "default") -> list[int]:
+    return [s.step for s in SnapshotStore(str(tmp_path / "shm" / run_name)).list_snapshots() if s.manifest is not None]
+
+
+def corrupt(tmp_path, step: int) -> None:
+    path = tmp_path / "shm" / "default" / f"step-{step:012d}" / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, capfd):
+    (tmp_path / "ref").mkdir()
+    reference = trainer(tmp_path / "ref", memory_url(), local_url=None).fit()
+
+    durable = memory_url()
+    crashed = trainer(tmp_path, durable, raise_at=27)
+    with pytest.raises(ValueError, match="a bug in the user"):
+        crashed.fit()
+    # Fast copies at 4, 8, 10 (with the durable one), 12, ... 24; the newest 2 kept.
+    assert local_steps(tmp_path) == [20, 24]
+    assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [10, 20]
+    capfd.readouterr()
+
+    # The newest fast copy is corrupt: the next one in the tier, still newer than the durable 20.
+    corrupt(tmp_path, 24)
+    resumed = trainer(tmp_path, durable)
+    summary = resumed.fit()
+    err = capfd.readouterr().err
+    assert "restored step 20 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
+    assert summary.params_sha256 == reference.params_sha256
+    assert not (tmp_path / "shm" / "default").exists(), "the fast tier is cleaned at DONE"
+
+
+def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
+    durable = memory_url()
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27).fit()
+    for step in local_steps(tmp_path):
+        corrupt(tmp_path, step)
+    capfd.readouterr()
+    resumed = trainer(tmp_path, durable, max_steps=30)
+    resumed.fit()
+    err = capfd.readouterr().err
+    assert "node-local snapshots at" in err and "are not usable" in err
+    assert f"restored snapshot {durable}/step-000000000020" in err
+
+
+def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_path, monkeypatch, capfd):
+    import elastictrain.snapshotter as snapshotter_module
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    durable = memory_url()
+    run = trainer(tmp_path, durable)
+    with pytest.raises(ConfigError, match=r"needs about .* MB \(2 kept \+ 1 being written.*has 0 MB free"):
+        run.fit()
+    assert run.progress.global_step == LOCAL_EVERY
+    assert local_steps(tmp_path) == []
+
+
+@pytest.mark.torchrun
+def test_a_killed_worker_is_restored_from_its_nodes_memory(tmp_path, reference_run):
+    shm = tmp_path / "shm"
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=37",
+                                       f"snapshot.local_url={shm}", "snapshot.local_every_steps=5"])
+    pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    result = parse_job(job.output())
+    # The durable store has step 25; the node's memory has step 35.
+    assert start_steps(result.output) == [0, 35]
+    assert "restored step 35 from the node-local tier of node 0 (rank 0)" in result.output
+    assert result.summary["params_sha256"] == reference_run.result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), [0, 35])
+        assert stitched == reference_run.traces[rank]
