@@ -457,15 +457,13 @@ class Trainer:
         every_s = self.cfg.snapshot.every_seconds
         timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
         if self.ctx.is_main and self.snapshots.asynchronous:
-            report = self.snapshots.poll()  # a background write finished since the last vote
-            if report is not None:
+            for report in self.snapshots.poll():  # background writes finished since the last vote
                 self.events.snapshotted(report)
         return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired,
                         snapshot_failed=self.ctx.is_main and self.snapshots.write_failed)
 
     def _flush_snapshots(self) -> None:
-        report = self.snapshots.flush()
-        if report is not None and self.ctx.is_main:
+        for report in self.snapshots.flush():
             self.events.snapshotted(report)
         last = self.snapshots.last_committed
         if self.local_snapshots is not None and last is not None and last[0] == self.progress.global_step:

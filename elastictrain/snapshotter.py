@@ -32,7 +32,7 @@ from torch import nn
 from . import errors, failpoints
 from .config import Config
 from .dist import DistContext, all_gather, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
-from .errors import ConfigError, ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
+from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .staging import Stager
 from .snapshot import (
@@ -103,6 +103,7 @@ class Snapshotter:
         self._in_flight: BackgroundWrite | None = None
         self._write_failed: str | None = None  # a background write failed for good: the run stops
         self._write_crash: BaseException | None = None
+        self._reports: list[SnapshotReport] = []  # finished background writes not yet reported
 
     @property
     def url(self) -> str:
@@ -284,12 +285,20 @@ class Snapshotter:
     def _save_local(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node."""
         refused = None
-        if self.is_writer and not self._size_checked:
-            refused = self._check_fits(rank_states)
-            self._size_checked = True
+        if self.is_writer:
+            self._join_write()  # the previous fast copy: a crash of its writer stops every rank now
+            self._reports.clear()  # fast copies are not reported as events; a failed one was logged
+            if self._write_failed is not None:
+                refused = ("StorageError", self._write_failed)
+            elif not self._size_checked:
+                fits = self._check_fits(rank_states)
+                refused = None if fits is None else ("ConfigError", fits)
+                self._size_checked = True
         refusals = [r for r in all_gather(refused, self.ctx) if r is not None]
         if refusals:
-            raise ConfigError(refusals[0])
+            if self._write_crash is not None:
+                raise self._write_crash  # a bug in the writer keeps its traceback on its rank
+            raise getattr(errors, refusals[0][0])(refusals[0][1])
         if not self.is_writer:
             return None
         if self.asynchronous:
@@ -328,11 +337,12 @@ class Snapshotter:
             step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
         return False, 0, None, False
 
-    def poll(self) -> SnapshotReport | None:
-        """Rank 0, between steps: the report of a background write that has finished since the last poll."""
-        if self._in_flight is None or self._in_flight.running:
-            return None
-        return self._join_write()
+    def poll(self) -> list[SnapshotReport]:
+        """Rank 0, between steps: the reports of background writes finished since the last poll."""
+        if self._in_flight is not None and not self._in_flight.running:
+            self._join_write()
+        reports, self._reports = self._reports, []
+        return reports
 
     @property
     def write_failed(self) -> bool:
@@ -346,35 +356,38 @@ class Snapshotter:
         raise StorageError(self._write_failed or "rank 0's background snapshot write failed for good (its log says why); "
                            "the next launch resumes from the newest committed snapshot")
 
-    def flush(self) -> SnapshotReport | None:
+    def flush(self) -> list[SnapshotReport]:
         """Every rank, before DONE and PREEMPTED: wait for the background write and agree on its outcome."""
         if not self.asynchronous:
-            return None
+            return []
         outcome = None
         if self.ctx.is_main:
-            report = self._join_write()
-            outcome = (report, self._write_failed)
-        report, failed = broadcast_from_main(outcome, self.ctx)
+            self._join_write()
+            outcome = (self.poll(), self._write_failed)
+        reports, failed = broadcast_from_main(outcome, self.ctx)
         if failed is not None:
             self._write_failed = failed
             self.raise_write_failure()
-        if report is not None and report.committed and not self.ctx.is_main:
-            self.last_committed = (report.step, time.time())
-        return report
+        committed = [report.step for report in reports if report.committed]
+        if committed and not self.ctx.is_main:
+            self.last_committed = (committed[-1], time.time())
+        return reports
 
-    def _join_write(self) -> SnapshotReport | None:
+    def _join_write(self) -> None:
+        """Wait for the write in flight; its report waits for ``poll``."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
-            return None
+            return
         flight.join()
         if flight.crash is not None:
             self._write_crash = flight.crash
             self._write_failed = f"the background snapshot write of step {flight.step} crashed: {flight.crash!r}"
-            return SnapshotReport(flight.step, False, flight.blocked_s, 0, self._write_failed, flight.write_s)
+            self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self._write_failed, flight.write_s))
+            return
         committed, size, error, stop = flight.outcome
         if stop:
             self._write_failed = error
-        return SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s)
+        self._reports.append(SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s))
 
     # -- the commit itself (rank 0) -----------------------------------------------------------
 

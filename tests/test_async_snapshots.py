@@ -12,11 +12,20 @@ import torch
 
 import elastictrain.snapshotter as snapshotter_module
 from elastictrain import State, StorageError, Trainer, seed_everything
+from elastictrain.events import Observer
 from elastictrain.snapshot import load_object
 from elastictrain.staging import Stager
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 from tests.test_trainer import SMALL, config, memory_url
+
+
+class Reports(Observer):
+    def __init__(self) -> None:
+        self.reports = []
+
+    def snapshotted(self, report) -> None:
+        self.reports.append(report)
 
 
 def run(url: str, async_write: bool, **snapshot) -> Trainer:
@@ -73,7 +82,8 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     seed_everything(0)
     cfg = config(url)
     cfg["snapshot"].update({"keep_last": 100, "async_write": True})
-    background = Trainer.from_task(spirals.build(**SMALL), cfg)
+    reports = Reports()
+    background = Trainer.from_task(spirals.build(**SMALL), cfg, observers=[reports])
     trainer_ref.append(background)
     background.fit()
 
@@ -83,6 +93,9 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     for step in expected:  # the bytes of step N, not of whatever step training reached during the write
         assert_same(written[step], expected[step], f"step {step}")
     assert any(reached > step for step, reached in steps_when_written), "training went on while a snapshot was written"
+    # A write the next snapshot had to wait for is reported too, once, in order.
+    assert [(r.step, r.committed) for r in reports.reports] == [(step, True) for step in sorted(expected)]
+    assert all(r.write_s >= 0.05 for r in reports.reports)
 
 
 @pytest.mark.parametrize("failing_step", [20, 64])  # 64: the final snapshot, waited for before DONE
