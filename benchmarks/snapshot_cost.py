@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import resource
@@ -34,15 +35,40 @@ from elastictrain import Trainer
 from elastictrain.events import Observer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODES = ("off", "blocking", "async")
+# fast_tier: snapshots to node memory only (snapshot.local_url under /dev/shm), in the background.
+SHM = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
+MODES = ("off", "blocking", "async", "fast_tier")
 
 
 class Reports(Observer):
     def __init__(self) -> None:
         self.reports = []
+        self.rss_mb = []  # resident memory after each reported snapshot
 
     def snapshotted(self, report) -> None:
         self.reports.append(report)
+        self.rss_mb.append(rss_mb())
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def leak_check(snapshots: int, workdir: pathlib.Path) -> dict:
+    """Resident memory after the 10th and after the last of ``snapshots`` background snapshots, one per step."""
+    task = _big_task.build(samples=(snapshots + 1) * 32)
+    reports = Reports()
+    run_dir = workdir / "run-leak"
+    Trainer.from_task(task, {
+        "run": {"dir": str(run_dir)},
+        "train": {"max_epochs": 1, "max_steps": snapshots, "batch_size": 32, "log_every_steps": 1000},
+        "snapshot": {"every_steps": 1, "on_done": False, "keep_last": 2, "async_write": True, "lease_stale_after_s": 0},
+        "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
+    }, observers=[reports]).fit()
+    shutil.rmtree(run_dir)
+    return {"snapshots": len(reports.rss_mb), "rss_mb_after_10": reports.rss_mb[9], "rss_mb_after_last": reports.rss_mb[-1],
+            "rss_mb": reports.rss_mb}
 
 
 def train(mode: str, steps: int, every: int, workdir: pathlib.Path) -> dict:
@@ -60,13 +86,16 @@ def train(mode: str, steps: int, every: int, workdir: pathlib.Path) -> dict:
     trainer = Trainer.from_task(task, {
         "run": {"dir": str(run_dir)},
         "train": {"max_epochs": 1, "batch_size": 32, "log_every_steps": 1000},
-        "snapshot": {"every_steps": 0 if mode == "off" else every, "on_done": False, "keep_last": 2,
-                     "async_write": mode == "async", "lease_stale_after_s": 0},
+        "snapshot": {"every_steps": every if mode in ("blocking", "async") else 0, "on_done": False, "keep_last": 2,
+                     "async_write": mode in ("async", "fast_tier"), "lease_stale_after_s": 0,
+                     "local_url": str(SHM / f"snapshot-cost-{os.getpid()}") if mode == "fast_tier" else None,
+                     "local_every_steps": every},
         "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
     }, observers=[reports])
     trainer.fit()
-    staged_mb = trainer.snapshots._stager.nbytes / 1e6
+    staged_mb = (trainer.local_snapshots or trainer.snapshots)._stager.nbytes / 1e6
     shutil.rmtree(run_dir)
+    shutil.rmtree(SHM / f"snapshot-cost-{os.getpid()}", ignore_errors=True)
     committed = [r for r in reports.reports if r.committed]
     return {
         "step_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
@@ -109,6 +138,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--leak-snapshots", type=int, default=100, help="background snapshots of the memory check")
     parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temporary directory)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "snapshot_cost.json"))
     args = parser.parse_args()
@@ -119,6 +149,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in MODES[repeat % len(MODES):] + MODES[:repeat % len(MODES)]:
                 runs[mode].append(train(mode, args.steps, args.every, workdir))
+        leak = leak_check(args.leak_snapshots, workdir)
         dcp = dcp_async_save(workdir, trials=max(3, args.repeats))
     off_step = statistics.median(r["step_s"] for r in runs["off"])
     summary = {}
@@ -143,6 +174,8 @@ def main() -> None:
                                  "total_s_median": statistics.median(dcp["total_s"])}
     async_blocked = summary["async"]["blocked_per_snapshot_ms_median"] / 1e3
     summary["async_blocked_over_dcp_blocking"] = async_blocked / dcp_blocking
+    print(f"resident memory after 10 background snapshots: {leak['rss_mb_after_10']:.0f} MB, after "
+          f"{leak['snapshots']}: {leak['rss_mb_after_last']:.0f} MB")
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     print(f"~200 MB state, a snapshot every {args.every} steps of {args.steps}, {args.repeats} repeats, one process")
@@ -163,7 +196,7 @@ def main() -> None:
     pathlib.Path(args.out).write_text(json.dumps({
         "benchmark": "snapshot_cost", "command": f"python benchmarks/snapshot_cost.py --repeats {args.repeats}",
         "torch": torch.__version__, "python": platform.python_version(), "started_unix_s": started,
-        "wall_s": time.time() - started, "settings": vars(args), "summary": summary, "runs": runs, "dcp": dcp,
+        "wall_s": time.time() - started, "settings": vars(args), "summary": summary, "runs": runs, "dcp": dcp, "leak_check": leak,
         "peak_rss_mb": peak_rss_mb,
     }, indent=2))
 

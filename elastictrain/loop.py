@@ -38,7 +38,7 @@ from .data import (
     to_device,
 )
 from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
-from .events import Observer, Observers, RunInfo, TrainInterval
+from .events import Observer, Observers, RunInfo, SnapshotReport, TrainInterval
 from .goodput import Goodput
 from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
@@ -226,7 +226,7 @@ class Trainer:
             while not self.machine.finished:
                 next_state = self._actions[self.machine.state]()
                 if next_state in (State.DONE, State.PREEMPTED):
-                    self._flush_snapshots()  # a snapshot written in the background ends, and all agree on it, first
+                    self._flush_snapshots(next_state)  # a snapshot written in the background ends, and all agree on it, first
                 self.machine.transition(next_state, self.progress.global_step)
         except BaseException as exc:
             self._fail(exc)
@@ -406,7 +406,7 @@ class Trainer:
         self.run_log.current["wall_s"] = time.monotonic() - self._started
         report = self.snapshots.save(self.progress.global_step, self._snapshot_meta())
         if self.local_snapshots is not None:
-            self.local_snapshots.save(self.progress.global_step, self._snapshot_meta())
+            self._local_report(self.local_snapshots.save(self.progress.global_step, self._snapshot_meta()))
         # Timed snapshots count from this attempt, committed or not: a store that is down is
         # tried again one interval later, not at every step.
         self._last_snapshot_time = time.monotonic()
@@ -417,8 +417,12 @@ class Trainer:
     def _local_snapshot(self) -> State:
         self.progress.last_local_snapshot_step = self.progress.global_step
         self.run_log.current["wall_s"] = time.monotonic() - self._started
-        self.local_snapshots.save(self.progress.global_step, self._snapshot_meta())
+        self._local_report(self.local_snapshots.save(self.progress.global_step, self._snapshot_meta()))
         return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+
+    def _local_report(self, report: SnapshotReport | None) -> None:
+        if report is not None:  # None: not this node's writer, or written in the background
+            self.events.snapshotted(report)
 
     def _snapshot_meta(self) -> dict[str, Any]:
         return {"epoch": self.progress.epoch, "epoch_offset": self.progress.epoch_offset, "world_size": self.ctx.world_size}
@@ -456,18 +460,21 @@ class Trainer:
             self._announce_signal()
         every_s = self.cfg.snapshot.every_seconds
         timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
-        if self.ctx.is_main and self.snapshots.asynchronous:
-            for report in self.snapshots.poll():  # background writes finished since the last vote
-                self.events.snapshotted(report)
+        for snapshots in (self.snapshots, self.local_snapshots):
+            if snapshots is not None and snapshots.asynchronous and snapshots.is_writer:
+                for report in snapshots.poll():  # background writes finished since the last vote
+                    self.events.snapshotted(report)
         return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired,
                         snapshot_failed=self.ctx.is_main and self.snapshots.write_failed)
 
-    def _flush_snapshots(self) -> None:
+    def _flush_snapshots(self, ending: State) -> None:
         for report in self.snapshots.flush():
             self.events.snapshotted(report)
+        # The node's memory is given back when the run is done, or stops with its step in the durable store.
         last = self.snapshots.last_committed
-        if self.local_snapshots is not None and last is not None and last[0] == self.progress.global_step:
-            self.local_snapshots.clear()  # the durable store holds this step: the node's memory is given back
+        if self.local_snapshots is not None and (
+                ending is State.DONE or (last is not None and last[0] == self.progress.global_step)):
+            self.local_snapshots.clear()
 
     def _announce_signal(self) -> None:
         self._preempt_announced = True

@@ -140,6 +140,8 @@ class PrometheusObserver(Observer):
             self.validation_metric.labels(**self._labels, name=key.removeprefix("val_")).set(value)
 
     def snapshotted(self, report: SnapshotReport) -> None:
+        if report.tier != "durable":  # the gauges describe what a relaunch anywhere can restore
+            return
         labels = self._labels
         if not report.committed:
             self.counts["snapshot_failures"] += 1

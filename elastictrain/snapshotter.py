@@ -280,14 +280,13 @@ class Snapshotter:
             self.last_committed = (step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and error is None:
             return None
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
     def _save_local(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node."""
         refused = None
         if self.is_writer:
             self._join_write()  # the previous fast copy: a crash of its writer stops every rank now
-            self._reports.clear()  # fast copies are not reported as events; a failed one was logged
             if self._write_failed is not None:
                 refused = ("StorageError", self._write_failed)
             elif not self._size_checked:
@@ -305,7 +304,7 @@ class Snapshotter:
             self._start_write(step, rank_states, meta, started)
             return None
         committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""
@@ -382,12 +381,13 @@ class Snapshotter:
         if flight.crash is not None:
             self._write_crash = flight.crash
             self._write_failed = f"the background snapshot write of step {flight.step} crashed: {flight.crash!r}"
-            self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self._write_failed, flight.write_s))
+            self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self._write_failed, flight.write_s,
+                                                self.tier))
             return
         committed, size, error, stop = flight.outcome
         if stop:
             self._write_failed = error
-        self._reports.append(SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s))
+        self._reports.append(SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s, self.tier))
 
     # -- the commit itself (rank 0) -----------------------------------------------------------
 

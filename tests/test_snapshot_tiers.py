@@ -110,3 +110,22 @@ def test_a_killed_worker_is_restored_from_its_nodes_memory(tmp_path, reference_r
     for rank in (0, 1):
         stitched = stitch(read_traces(tmp_path / "trace", rank), [0, 35])
         assert stitched == reference_run.traces[rank]
+
+
+def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
+    from elastictrain.events import Observer
+
+    class Reports(Observer):
+        def __init__(self) -> None:
+            self.seen = []
+
+        def snapshotted(self, report) -> None:
+            self.seen.append((report.tier, report.step, report.committed))
+
+    reports = Reports()
+    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False)
+    run.events.add(reports)
+    run.fit()
+    # Step 10 is durable and fast; the run ends at 12 with no final snapshot of either tier.
+    assert reports.seen == [("local", 4, True), ("local", 8, True), ("local", 10, True), ("durable", 10, True)]
+    assert not (tmp_path / "shm" / "default").exists(), "DONE gives the node's memory back"
