@@ -56,6 +56,8 @@ class NodeGroup:
     max_restarts: int = 3
     shutdown_timeout_s: int = 30
     extra_args: list[str] = field(default_factory=list)
+    # --rdzv-conf for every agent, e.g. {"last_call_timeout": 1}; launch(host_store=) adds is_host.
+    rdzv_conf: dict[str, object] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     agents: dict[int, procs.Launched] = field(default_factory=dict)
 
@@ -72,8 +74,11 @@ class NodeGroup:
             # loopback, since every "node" is this machine.
             "--monitor-interval=0.1", "--local-addr=127.0.0.1", *self.extra_args, *extra_args,
         ]
+        rdzv_conf = dict(self.rdzv_conf)
         if host_store is not None:
-            flags.append(f"--rdzv-conf=is_host={int(host_store)}")
+            rdzv_conf["is_host"] = int(host_store)
+        if rdzv_conf:  # torchrun takes one --rdzv-conf (a later one replaces an earlier one)
+            flags.append("--rdzv-conf=" + ",".join(f"{key}={value}" for key, value in rdzv_conf.items()))
         env = {
             "TORCHRUN": TORCHRUN,
             "TORCHRUN_ARGS": " ".join(flags),
