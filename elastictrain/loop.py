@@ -307,7 +307,7 @@ class Trainer:
         self.events.started(RunInfo(
             rank=self.ctx.rank, local_rank=self.ctx.env.local_rank, world_size=self.ctx.world_size,
             node_rank=self.ctx.env.node_rank, restart_count=self.ctx.env.restart_count, launcher=self.ctx.env.launcher,
-            run_dir=self.cfg.run_dir, total_steps=self.total_steps, store=self.ctx.run_store,
+            run_dir=self.cfg.run_dir, total_steps=self.total_steps, store=self.ctx.run_store, round_id=self.ctx.round_id,
         ))
         return State.RESTORE
 
