@@ -158,12 +158,10 @@ class Snapshotter:
             # The data position re-shards exactly; per-rank random streams cannot, so they are
             # re-seeded from the step (the same on every restart with this world size).
             seed_rng(self.cfg.run.seed + self.ctx.rank + 1_000_003 * progress.global_step)
-            train = self.cfg.train
             log.warning(
                 "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
-                "global batch is now %d, RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
+                "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
                 where, saved_env["world_size"], self.ctx.world_size, progress.epoch_offset, progress.epoch,
-                train.batch_size * self.ctx.world_size * train.grad_accum_steps,
             )
         if saved_env["num_threads"] != torch.get_num_threads():
             log.warning(
