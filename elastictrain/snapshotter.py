@@ -52,6 +52,8 @@ log = logging.getLogger("elastictrain")
 # warning and the component starts fresh. Every other entry is ours and always present.
 _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
 
+TORCHRUN_DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: shared by unrelated jobs
+
 # Config keys whose change makes a resume wrong: another data order, other data, another model
 # or another batch geometry inside one run. Any other change is logged in one line and applied.
 RESUME_CRITICAL_KEYS = ("run.seed", "task.factory", "task.args", "train.batch_size", "train.grad_accum_steps", "data.shuffle",
@@ -322,8 +324,9 @@ def _differs(a: Any, b: Any) -> bool:
 class LeaseKeeper:
     """Holds the store's lease for this job on rank 0 and renews it from a daemon thread.
 
-    The token is shared by every attempt of one job (torchrun's agent store, or the SLURM job
-    id), so a restarted attempt takes its own lease over while another job is refused.
+    The token is shared by every attempt of one job (torchrun's --rdzv-id, else a token kept in
+    its agent's store; the SLURM job id), so a restarted attempt takes its own lease over while
+    another job is refused.
     """
 
     def __init__(self, store: SnapshotStore, cfg: Config, ctx: DistContext) -> None:
@@ -372,6 +375,10 @@ class LeaseKeeper:
 
 
 def _job_token(ctx: DistContext) -> str:
+    if ctx.env.launcher == "torchrun" and ctx.env.run_id != TORCHRUN_DEFAULT_RUN_ID:
+        # --rdzv-id names the job on every node, and outlives the store: when the node hosting the
+        # workers' store is lost (etcd rendezvous), the new rank 0 hosts a new one.
+        return f"torchrun {ctx.env.run_id}"
     if ctx.run_store is not None:
         # compare_set sets the key only if it is absent: the first attempt's token wins for all.
         return ctx.run_store.compare_set("lease_token", "", uuid.uuid4().hex).decode()

@@ -114,3 +114,21 @@ def test_a_fatal_error_stops_later_rounds_and_not_its_own(recorded, restart, rou
             check_no_fatal_error(store, env, round_id)
     else:
         check_no_fatal_error(store, env, round_id)
+
+
+def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it_is_new():
+    """Lose the node that hosts the workers' store (etcd rendezvous) and the new rank 0 hosts a new,
+    empty one: the lease token must not live only there, or the job's own lease would refuse it."""
+    import torch
+    import torch.distributed as tdist
+
+    from elastictrain.dist import DistContext, LaunchEnv
+    from elastictrain.snapshotter import _job_token
+
+    def token(run_id, store):
+        return _job_token(DistContext(LaunchEnv("torchrun", run_id=run_id), True, torch.device("cpu"), "gloo", 60.0, store))
+
+    assert token("exp1", tdist.HashStore()) == token("exp1", tdist.HashStore()) == token("exp1", None) == "torchrun exp1"
+    # torchrun's default --rdzv-id is every such job's: there the token is drawn once per store.
+    store = tdist.HashStore()
+    assert token("none", store) == token("none", store) != token("none", tdist.HashStore())
