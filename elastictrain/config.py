@@ -58,6 +58,11 @@ class TrainConfig(_Section):
     eval_every_epochs: NonNegativeInt = 1  # 0: evaluate only at the end
     log_every_steps: PositiveInt = 25  # also how often losses are reduced across ranks
     autocast_dtype: Literal["none", "bfloat16", "float16"] = "none"
+    # When a restart brings another world size (an elastic job shrinking or growing):
+    # keep_global_batch changes the accumulation so the global batch, the step count and the LR
+    # schedule stay; keep_rank_batch keeps batch_size and grad_accum_steps, so the global batch follows.
+    on_world_size_change: Literal["keep_global_batch", "keep_rank_batch"] = "keep_global_batch"
+    scale_lr: bool = False  # keep_rank_batch only: scale the LR by new / old global batch (the linear rule)
 
 
 class DataConfig(_Section):
@@ -169,6 +174,15 @@ class Config(_Section):
                 f"the local path snapshot.url={self.snapshot_url!r}: they configure a remote store (credentials, "
                 "endpoint); set snapshot.url to the store they are for (e.g. s3://bucket/run) or remove them "
                 "(snapshot.storage_options={})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scale_lr_needs_a_changing_batch(self) -> "Config":
+        if self.train.scale_lr and self.train.on_world_size_change == "keep_global_batch":
+            raise ValueError(
+                "train.scale_lr=true does nothing with train.on_world_size_change=keep_global_batch (the global batch "
+                "never changes); set train.on_world_size_change=keep_rank_batch, or train.scale_lr=false"
             )
         return self
 

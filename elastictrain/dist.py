@@ -9,8 +9,10 @@ connects to it and keys the default group as ``default_pg/0/...`` — the same k
 attempt (torch's comment "we create a new TCPStore for every retry" no longer holds since the
 store is shared). A restarted gloo rank then reads the dead attempt's addresses from the store
 and fails in ``connectFullMesh`` with "Connection refused", or waits in the ProcessGroupGloo
-constructor for peers that will never come. Prefixing the store with the run id, the restart
-count and the world size gives every attempt keys of its own.
+constructor for peers that will never come. The restart count cannot key them either: it is each
+agent's own count and a membership change does not bump it, so a node that joins and a survivor
+would build different keys. The ranks of every rendezvous round agree on a nonce of its own
+(``rounds.py``), and the group is built under ``elastictrain/<run id>/round-<nonce>/``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from .config import DistConfig
 from .errors import DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .rounds import agree_on_round
 
 log = logging.getLogger("elastictrain")
 
@@ -125,6 +128,8 @@ class DistContext:
     # worker restarts under torchrun (the agent hosts it), so attempts can leave facts for the
     # next one. None when there is no process group.
     run_store: Any = None
+    # The nonce every rank of this rendezvous round agreed on (rounds.py); "" without a process group.
+    round_id: str = ""
 
     @property
     def rank(self) -> int:
@@ -159,16 +164,17 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
     else:
         distributed = bool(cfg.distributed)
     device = _choose_device(cfg.device, env.local_rank)
-    backend, run_store = None, None
+    backend, run_store, round_id = None, None, ""
     if distributed:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and device.type != "cuda":
             raise DistributedSetupError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
         base = _connect_store(env, cfg)
         run_store = _run_store(env, base)
-        check_no_fatal_error(run_store, env)
-        _init_process_group(env, base, backend, device, cfg)
-    return DistContext(env, distributed, device, backend, cfg.collective_timeout_s, run_store)
+        round_id = agree_on_round(run_store, env.rank, env.world_size, cfg.init_timeout_s)
+        check_no_fatal_error(run_store, env, round_id)
+        _init_process_group(env, run_store, round_id, backend, device, cfg)
+    return DistContext(env, distributed, device, backend, cfg.collective_timeout_s, run_store, round_id)
 
 
 def _choose_device(choice: str, local_rank: int) -> torch.device:
@@ -210,20 +216,20 @@ def _connect_store(env: LaunchEnv, cfg: DistConfig) -> Any:
     return base
 
 
-def _init_process_group(env: LaunchEnv, base: Any, backend: str, device: torch.device, cfg: DistConfig) -> None:
-    # See the module docstring: keys of their own for every attempt.
-    prefix = f"elastictrain/{env.run_id}/restart-{env.restart_count}/world-{env.world_size}/"
+def _init_process_group(env: LaunchEnv, run_store: Any, round_id: str, backend: str, device: torch.device,
+                        cfg: DistConfig) -> None:
+    # See the module docstring: keys of their own for every round.
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(prefix, base),
+        store=dist.PrefixStore(f"round-{round_id}", run_store),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     log.info(
-        "process group %s up: rank %d of %d, restart %d, launcher %s",
-        backend, env.rank, env.world_size, env.restart_count, env.launcher,
+        "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
+        backend, env.rank, env.world_size, env.restart_count, round_id, env.launcher,
     )
 
 
@@ -235,8 +241,8 @@ def _run_store(env: LaunchEnv, base: Any) -> Any:
     return dist.PrefixStore(f"elastictrain/{env.run_id}/", base)
 
 
-def _write_fatal_error(run_store: Any, env: LaunchEnv, rank: int, error: ElastictrainError) -> None:
-    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "rank": rank,
+def _write_fatal_error(run_store: Any, env: LaunchEnv, rank: int, error: ElastictrainError, round_id: str = "") -> None:
+    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "round": round_id, "rank": rank,
                                          "exit_code": error.exit_code, "kind": type(error).__name__}))
 
 
@@ -245,17 +251,21 @@ def record_fatal_error(ctx: DistContext | None, error: ElastictrainError) -> Non
     if ctx is None or ctx.run_store is None:
         return
     try:
-        _write_fatal_error(ctx.run_store, ctx.env, ctx.rank, error)
+        _write_fatal_error(ctx.run_store, ctx.env, ctx.rank, error, ctx.round_id)
     except Exception:  # the store's host may be gone too; the error itself was already logged
         log.debug("could not record the fatal error in the run store", exc_info=True)
 
 
-def check_no_fatal_error(run_store: Any, env: LaunchEnv) -> None:
+def check_no_fatal_error(run_store: Any, env: LaunchEnv, round_id: str = "") -> None:
     """Stop this attempt at once if an earlier one recorded an error that no restart can fix."""
     if not run_store.check([FATAL_KEY]):
         return
     record = json.loads(run_store.get(FATAL_KEY))
-    if record["restart"] >= env.restart_count:
+    if record.get("round") and round_id:
+        this_attempt = record["round"] == round_id
+    else:  # an error from before the round was agreed (a config error): the agent's restart count is all there is
+        this_attempt = record["restart"] >= env.restart_count
+    if this_attempt:
         return  # another rank of this very attempt: it says the error itself
     raise RepeatedFatalError(
         f"restart {env.restart_count} skipped: attempt {record['restart']} stopped on a {record['kind']} that a restart "

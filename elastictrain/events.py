@@ -33,6 +33,7 @@ class RunInfo:
     # outlives worker restarts; None without torchrun. For small run-wide facts such as the
     # highest step any attempt reached: one set() per log interval at most.
     store: Any = None
+    round_id: str = ""  # the rendezvous round's nonce, the same on all its ranks (keys of this round only)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from .data import (
 )
 from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
 from .events import Observer, Observers, RunInfo, SnapshotReport, TrainInterval
+from .geometry import BatchGeometry, apply_fit, fit_to_world
 from .goodput import Goodput
 from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
@@ -158,6 +159,7 @@ class Trainer:
         self.progress = Progress()
         self.history = History()
         self.run_log = RunLog()
+        self.batch_geometry = BatchGeometry()
         self.goodput = Goodput()  # on every rank: its counters travel in the snapshot
         self.machine = StateMachine()
         self.events = Observers([self.goodput, *observers])
@@ -304,6 +306,7 @@ class Trainer:
         self.snapshots = Snapshotter(self.cfg, self.ctx, dist.unwrap(self.model), {
             "optimizer": self.task.optimizer, "lr_scheduler": self.task.lr_scheduler, "grad_scaler": self.scaler,
             "progress": self.progress, "history": self.history, "run_log": self.run_log, "goodput": self.goodput,
+            "batch_geometry": self.batch_geometry,
         }, train_samples=None if self.stream else len(self.task.train_data),
             rank_statefuls={"train_data": self.task.train_data} if self.stream else {})
         # The fast tier: a full copy on each node, restored from first when it is the newest.
@@ -324,7 +327,7 @@ class Trainer:
         self.events.started(RunInfo(
             rank=self.ctx.rank, local_rank=self.ctx.env.local_rank, world_size=self.ctx.world_size,
             node_rank=self.ctx.env.node_rank, restart_count=self.ctx.env.restart_count, launcher=self.ctx.env.launcher,
-            run_dir=self.cfg.run_dir, total_steps=self.total_steps, store=self.ctx.run_store,
+            run_dir=self.cfg.run_dir, total_steps=self.total_steps, store=self.ctx.run_store, round_id=self.ctx.round_id,
         ))
         return State.RESTORE
 
@@ -333,6 +336,10 @@ class Trainer:
         if restored is None:
             seed_rng(self.cfg.run.seed + self.ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)
+        # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
+        fit = fit_to_world(self.cfg.train, self.ctx.world_size, self.batch_geometry, restored and restored.saved_world_size)
+        self.shard = apply_fit(fit, self.batch_geometry, self.ctx.rank, self.ctx.world_size, self.cfg.train,
+                               self.task.optimizer, self.task.lr_scheduler)
         self.run_log.begin(
             restart_count=self.ctx.env.restart_count, world_size=self.ctx.world_size,
             start_step=self.progress.global_step, launcher=self.ctx.env.launcher, started_unix=self._started_unix,
@@ -527,7 +534,7 @@ class Trainer:
 
     def _next_batches(self) -> list[Any] | None:
         """The micro-batches of the next step; None when a stream's epoch ended (on any rank: all agree)."""
-        accum = self.cfg.train.grad_accum_steps
+        accum = self.shard.grad_accum_steps
         if not self.stream:
             return [next(self._batches) for _ in range(accum)]
         batches = list(itertools.islice(self._batches, accum))
@@ -538,7 +545,7 @@ class Trainer:
         return None if ended else batches
 
     def _train_step(self, batches: list[Any]) -> None:
-        accum = self.cfg.train.grad_accum_steps
+        accum = self.shard.grad_accum_steps
         optimizer, scaler = self.task.optimizer, self.scaler
         for micro, batch in enumerate(batches):
             batch = to_device(batch, self.ctx.device)

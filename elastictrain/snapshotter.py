@@ -54,6 +54,8 @@ log = logging.getLogger("elastictrain")
 # warning and the component starts fresh. Every other entry is ours and always present.
 _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
 
+TORCHRUN_DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: shared by unrelated jobs
+
 # Config keys whose change makes a resume wrong: another data order, other data, another model
 # or another batch geometry inside one run. Any other change is logged in one line and applied.
 RESUME_CRITICAL_KEYS = ("run.seed", "task.factory", "task.args", "train.batch_size", "train.grad_accum_steps", "data.shuffle",
@@ -219,12 +221,10 @@ class Snapshotter:
             # The data position re-shards exactly; per-rank random streams cannot, so they are
             # re-seeded from the step (the same on every restart with this world size).
             seed_rng(self.cfg.run.seed + self.ctx.rank + 1_000_003 * progress.global_step)
-            train = self.cfg.train
             log.warning(
                 "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
-                "global batch is now %d, RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
+                "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
                 where, saved_env["world_size"], self.ctx.world_size, progress.epoch_offset, progress.epoch,
-                train.batch_size * self.ctx.world_size * train.grad_accum_steps,
             )
         if saved_env["num_threads"] != torch.get_num_threads():
             log.warning(
@@ -549,8 +549,9 @@ def _differs(a: Any, b: Any) -> bool:
 class LeaseKeeper:
     """Holds the store's lease for this job on rank 0 and renews it from a daemon thread.
 
-    The token is shared by every attempt of one job (torchrun's agent store, or the SLURM job
-    id), so a restarted attempt takes its own lease over while another job is refused.
+    The token is shared by every attempt of one job (torchrun's --rdzv-id, else a token kept in
+    its agent's store; the SLURM job id), so a restarted attempt takes its own lease over while
+    another job is refused.
     """
 
     def __init__(self, store: SnapshotStore, cfg: Config, ctx: DistContext) -> None:
@@ -599,6 +600,10 @@ class LeaseKeeper:
 
 
 def _job_token(ctx: DistContext) -> str:
+    if ctx.env.launcher == "torchrun" and ctx.env.run_id != TORCHRUN_DEFAULT_RUN_ID:
+        # --rdzv-id names the job on every node, and outlives the store: when the node hosting the
+        # workers' store is lost (etcd rendezvous), the new rank 0 hosts a new one.
+        return f"torchrun {ctx.env.run_id}"
     if ctx.run_store is not None:
         # compare_set sets the key only if it is absent: the first attempt's token wins for all.
         return ctx.run_store.compare_set("lease_token", "", uuid.uuid4().hex).decode()

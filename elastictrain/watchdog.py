@@ -384,7 +384,7 @@ class Watchdog(Observer):
             log.debug("watchdog could not write %s", key, exc_info=True)
 
     def _key(self, rank: int) -> str:
-        return f"watchdog/restart-{self._info.restart_count}/rank-{rank}"
+        return f"watchdog/round-{self._info.round_id}/rank-{rank}"
 
     def _verdict_key(self) -> str:
-        return f"watchdog/restart-{self._info.restart_count if self._info else 0}/hang"
+        return f"watchdog/round-{self._info.round_id if self._info else ''}/hang"

@@ -87,3 +87,48 @@ def test_ddp_wrapping_options_on_a_real_one_rank_gloo_group():
             wrap_model(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)), ctx, DistConfig(sync_batchnorm=True), environ={})
     finally:
         tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recorded, restart, round_id, repeated", [
+    # A membership change does not bump the agent's restart count: only the round tells attempts apart.
+    ({"restart": 1, "round": "a"}, 1, "b", True),
+    ({"restart": 1, "round": "a"}, 0, "a", False),  # a rank of this very round, on a node that joined later
+    ({"restart": 1, "round": "a"}, 2, "a", False),
+    # A config error is recorded before any round is agreed: the restart count is all there is.
+    ({"restart": 0, "round": ""}, 1, "b", True),
+    ({"restart": 0, "round": ""}, 0, "b", False),
+])
+def test_a_fatal_error_stops_later_rounds_and_not_its_own(recorded, restart, round_id, repeated):
+    import json
+
+    import torch.distributed as tdist
+
+    from elastictrain.dist import FATAL_KEY, LaunchEnv, check_no_fatal_error
+    from elastictrain.errors import RepeatedFatalError
+
+    store = tdist.HashStore()
+    store.set(FATAL_KEY, json.dumps({**recorded, "rank": 0, "exit_code": 1, "kind": "SnapshotError"}))
+    env = LaunchEnv("torchrun", restart_count=restart)
+    if repeated:
+        with pytest.raises(RepeatedFatalError, match=f"restart {restart} skipped: attempt {recorded['restart']} stopped"):
+            check_no_fatal_error(store, env, round_id)
+    else:
+        check_no_fatal_error(store, env, round_id)
+
+
+def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it_is_new():
+    """Lose the node that hosts the workers' store (etcd rendezvous) and the new rank 0 hosts a new,
+    empty one: the lease token must not live only there, or the job's own lease would refuse it."""
+    import torch
+    import torch.distributed as tdist
+
+    from elastictrain.dist import DistContext, LaunchEnv
+    from elastictrain.snapshotter import _job_token
+
+    def token(run_id, store):
+        return _job_token(DistContext(LaunchEnv("torchrun", run_id=run_id), True, torch.device("cpu"), "gloo", 60.0, store))
+
+    assert token("exp1", tdist.HashStore()) == token("exp1", tdist.HashStore()) == token("exp1", None) == "torchrun exp1"
+    # torchrun's default --rdzv-id is every such job's: there the token is drawn once per store.
+    store = tdist.HashStore()
+    assert token("none", store) == token("none", store) != token("none", tdist.HashStore())

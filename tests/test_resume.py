@@ -115,8 +115,10 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
     result = parse_job(single.output())
     assert result.restored_steps == [50]
     assert "was taken with world size 2, this run has 1: data position re-sharded from sample 64 of epoch 1" in result.output
-    # 50 steps at 32 samples, then (1536 - 64) / 16 = 92 steps to end epoch 1, then 3 epochs of 96.
-    assert result.summary["world_size"] == "1" and result.summary["step"] == str(50 + 92 + 3 * 96)
+    # The global batch of 32 is kept (train.on_world_size_change's default): 2 micro-batches of 16.
+    assert "world size 2 -> 1: global batch of 32 samples per step kept" in result.output
+    # 50 steps, then (1536 - 64) / 32 = 46 steps to end epoch 1, then 3 epochs of 48: as at 2 workers.
+    assert result.summary["world_size"] == "1" and result.summary["step"] == str(50 + 46 + 3 * 48)
 
     (rank0_two_workers, rank0_single), (rank1_two_workers,) = read_traces(tmp_path / "trace", 0), read_traces(tmp_path / "trace", 1)
     epoch1_order = [
@@ -126,17 +128,28 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
 
 
 def test_restore_one_worker_snapshot_into_two_workers(tmp_path):
-    """1 -> 2 workers where the rest of the epoch (16 samples) is less than one 2-worker step (32)."""
+    """1 -> 2 workers where the rest of the epoch (16 samples) is less than one 2-worker step (32).
+
+    The run's global batch (16) cannot be split over 2 ranks of 16: one line says so, and with
+    train.on_world_size_change=keep_rank_batch the global batch becomes 32.
+    """
     single = launch_job(tmp_path, "single", ["train.max_steps=95", "snapshot.every_steps=5"], single_process=True)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     assert parse_job(single.output()).summary["step"] == "95"  # sample 1520 of 1536 in epoch 0
 
-    two = launch_job(tmp_path, "two")
+    refused = launch_job(tmp_path, "refused", max_restarts=0)
+    assert refused.wait(TIMEOUT_S) != 0
+    assert ("elastictrain: error: world size 1 -> 2: the global batch of 16 samples per step cannot be kept "
+            "(train.on_world_size_change=keep_global_batch): it is not a multiple of train.batch_size 16 x 2 ranks; "
+            "world sizes that can keep it: 1 (set --nnodes and --nproc-per-node to stay among them), or set "
+            "train.on_world_size_change=keep_rank_batch") in refused.output()
+
+    two = launch_job(tmp_path, "two", ["train.on_world_size_change=keep_rank_batch"])
     assert two.wait(TIMEOUT_S) == 0, two.output()[-4000:]
     result = parse_job(two.output())
     assert result.restored_steps == [95] and result.summary["world_size"] == "2"
     assert "was taken with world size 1, this run has 2: data position re-sharded from sample 1520 of epoch 0" in result.output
     assert result.summary["step"] == str(95 + 4 * 48) and result.summary["epoch"] == "5"
-    rank0, rank1 = read_traces(tmp_path / "trace", 0)[-1], read_traces(tmp_path / "trace", 1)[0]
+    rank0, rank1 = read_traces(tmp_path / "trace", 0)[-1], read_traces(tmp_path / "trace", 1)[-1]
     first_epoch1_step = rank0[0] + rank1[0]
     assert first_epoch1_step == epoch_order(1536, seed=0, epoch=1, shuffle=True)[:32], "epoch 0's last 16 samples are dropped as an incomplete step"

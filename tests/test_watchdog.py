@@ -75,7 +75,7 @@ class FakeClock:
 
 def info(rank=0, world_size=1, store=None, restart_count=0):
     return RunInfo(rank=rank, local_rank=rank, world_size=world_size, node_rank=0, restart_count=restart_count,
-                   launcher="test", run_dir="/tmp", total_steps=100, store=store)
+                   launcher="test", run_dir="/tmp", total_steps=100, store=store, round_id="r1")
 
 
 def watchdog_in_train(settings=SETTINGS):
@@ -178,12 +178,12 @@ def test_a_frozen_peer_is_named_by_the_live_rank_in_one_line(store, caplog):
     assert line.startswith("rank 0: no progress for 2.")
     assert "in state TRAIN at step 12 (allowed 2.5 s); rank 1 sent no heartbeat for" in line
     assert "(last in state TRAIN at step 12): frozen, killed or its host is gone; exiting with code 75" in line
-    assert store.get("watchdog/restart-0/hang").decode().startswith("rank 0 found a hang: rank 1 sent no heartbeat")
+    assert store.get("watchdog/round-r1/hang").decode().startswith("rank 0 found a hang: rank 1 sent no heartbeat")
 
 
 def test_a_peer_verdict_makes_a_stalled_rank_leave_before_its_own_allowance(store):
     """Once a rank has found a hang, a peer stalled for half its allowance leaves too, naming what it found."""
-    store.set("watchdog/restart-0/hang", "rank 1 found a hang: rank 1 is stuck in state TRAIN at step 5 at x:1 in f")
+    store.set("watchdog/round-r1/hang", "rank 1 found a hang: rank 1 is stuck in state TRAIN at step 5 at x:1 in f")
     watchdog = Watchdog(WatchdogSettings(hang_timeout_s=30), clock=FakeClock())
     watchdog._info = info(rank=0, world_size=2, store=store)
     watchdog.transition(State.RESTORE, State.TRAIN, 5)
@@ -208,11 +208,11 @@ def test_the_heartbeat_says_where_the_loop_thread_is_and_whether_it_waits(store)
     thread.start()
     try:
         deadline = time.monotonic() + 5
-        while not store.check(["watchdog/restart-0/rank-0"]) and time.monotonic() < deadline:
+        while not store.check(["watchdog/round-r1/rank-0"]) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.05)
         now = watchdog.heartbeat()
-        published = Heartbeat.from_json(store.get("watchdog/restart-0/rank-0"))
+        published = Heartbeat.from_json(store.get("watchdog/round-r1/rank-0"))
     finally:
         release.set()
         thread.join()

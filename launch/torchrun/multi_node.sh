@@ -9,6 +9,8 @@
 #   RDZV_ENDPOINT   host:port of the c10d rendezvous store, reachable from every node; the node
 #                   whose address matches host runs the store (required)
 #   RDZV_ID         one id shared by every node of this job, new for every job (required)
+#   RDZV_BACKEND    elastictrain-c10d (default: torch's c10d, and a lost node may come back),
+#                   c10d, or elastictrain-etcd-v2 with RDZV_ENDPOINT=<etcd host>:2379
 #   NNODES          N (static) or MIN:MAX (elastic); default 1:4
 #   NPROC_PER_NODE  workers per node (default gpu: one per visible GPU; a number on CPU)
 #   MAX_RESTARTS    restarts of the whole worker group before the job fails (default 3)
@@ -28,7 +30,7 @@ fi
 exec "${TORCHRUN:-torchrun}" \
     --nnodes="${NNODES:-1:4}" \
     --nproc-per-node="${NPROC_PER_NODE:-gpu}" \
-    --rdzv-backend=c10d \
+    --rdzv-backend="${RDZV_BACKEND:-elastictrain-c10d}" \
     --rdzv-endpoint="$RDZV_ENDPOINT" \
     --rdzv-id="$RDZV_ID" \
     --max-restarts="${MAX_RESTARTS:-3}" \

@@ -56,11 +56,14 @@ class NodeGroup:
     max_restarts: int = 3
     shutdown_timeout_s: int = 30
     extra_args: list[str] = field(default_factory=list)
+    # --rdzv-conf for every agent, e.g. {"last_call_timeout": 1}; launch(host_store=) adds is_host.
+    rdzv_conf: dict[str, object] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
-    agents: dict[int, procs.Launched] = field(default_factory=dict)
+    agents: dict[int, procs.Launched] = field(default_factory=dict)  # the latest launch of each index
+    launches: dict[int, int] = field(default_factory=dict)
 
     def launch(self, index: int, *, host_store: bool | None = None, extra_args: list[str] = ()) -> procs.Launched:
-        """Start agent ``index`` (its log is ``<tmp_path>/agent-<index>.log``).
+        """Start agent ``index`` (its log is ``<tmp_path>/agent-<index>.log``, ``agent-<index>-<n>.log`` for its n-th relaunch).
 
         host_store=True makes this agent host the c10d store at the endpoint, False makes it a
         client only; None leaves it to torch (every agent whose address matches tries to host).
@@ -69,11 +72,16 @@ class NodeGroup:
             raise ValueError(f"agent {index} is still running (pid {self.agents[index].proc.pid})")
         flags = [
             # Fast failure detection for tests; the rendezvous store and the worker store on
-            # loopback, since every "node" is this machine.
-            "--monitor-interval=0.1", "--local-addr=127.0.0.1", *self.extra_args, *extra_args,
+            # loopback, since every "node" is this machine. Each agent has a loopback address of
+            # its own (127.0.0.<index + 1>): torch orders a round's nodes by address, then pid, and
+            # pids wrap (pid_max is 32768 here), so this keeps agent i at node rank i.
+            "--monitor-interval=0.1", f"--local-addr=127.0.0.{index + 1}", *self.extra_args, *extra_args,
         ]
+        rdzv_conf = dict(self.rdzv_conf)
         if host_store is not None:
-            flags.append(f"--rdzv-conf=is_host={int(host_store)}")
+            rdzv_conf["is_host"] = int(host_store)
+        if rdzv_conf:  # torchrun takes one --rdzv-conf (a later one replaces an earlier one)
+            flags.append("--rdzv-conf=" + ",".join(f"{key}={value}" for key, value in rdzv_conf.items()))
         env = {
             "TORCHRUN": TORCHRUN,
             "TORCHRUN_ARGS": " ".join(flags),
@@ -87,11 +95,13 @@ class NodeGroup:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
             **self.env,
         }
+        launches = self.launches.get(index, 0)
+        log_name = f"agent-{index}.log" if launches == 0 else f"agent-{index}-{launches + 1}.log"
         agent = procs.launch(
-            ["bash", str(MULTI_NODE_SCRIPT), *self.command],
-            log_path=self.tmp_path / f"agent-{index}.log", env=env, cwd=self.tmp_path,
+            ["bash", str(MULTI_NODE_SCRIPT), *self.command], log_path=self.tmp_path / log_name, env=env, cwd=self.tmp_path,
         )
         self.agents[index] = agent
+        self.launches[index] = launches + 1
         return agent
 
     def signal(self, index: int, signum: signal.Signals) -> None:

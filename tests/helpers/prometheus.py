@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,42 +23,16 @@ from typing import Any
 import yaml
 
 from tests.helpers import procs
+from tests.helpers.debian import debian_binary
 
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"
-INSTALL_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 10
-
-_install_outcome: tuple[str | None, str] | None = None  # (path or None, reason), decided once per session
 
 
 def prometheus_binary() -> tuple[str | None, str]:
     """(path to prometheus, "") or (None, why it cannot be had); installs the Debian package at most once."""
-    global _install_outcome
-    if _install_outcome is None:
-        _install_outcome = _find_or_install()
-    return _install_outcome
-
-
-def _find_or_install() -> tuple[str | None, str]:
-    if os.path.exists(PROMETHEUS):
-        return PROMETHEUS, ""
-    if shutil.which("apt-get") is None:
-        return None, f"{PROMETHEUS} is missing and there is no apt-get to install Debian's prometheus package"
-    if os.geteuid() != 0:
-        return None, f"{PROMETHEUS} is missing; installing it needs root: apt-get install -y prometheus"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    started = time.monotonic()
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]):
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return None, f"`{' '.join(command)}` did not finish in {INSTALL_TIMEOUT_S} s"
-        if done.returncode != 0:
-            last_line = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            return None, f"`{' '.join(command)}` failed with code {done.returncode}: {last_line}"
-    print(f"installed Debian's prometheus package in {time.monotonic() - started:.1f} s")
-    return (PROMETHEUS, "") if os.path.exists(PROMETHEUS) else (None, f"the prometheus package installed no {PROMETHEUS}")
+    return debian_binary(PROMETHEUS, "prometheus")
 
 
 def free_port() -> int:

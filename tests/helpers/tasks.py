@@ -4,8 +4,9 @@ A test that kills a worker needs the kill to land at a known step: the traced lo
 writes its pid to a file and waits when it reaches ``pause_at_step`` on ``pause_rank``, the
 first time only (the pid file marks that it happened), so the test's SIGKILL hits that step. A
 test that sends a catchable signal instead lets the step go on by creating the ``.resume``
-file next to the pid file. ``raise_rank``/``raise_at_step`` make a worker raise (a user bug),
-once per job.
+file next to the pid file. ``pauses`` adds more such points, ``[[rank, call], ...]``, each once per
+job with its own marker ``paused-rank{rank}-call{call}.pid`` (a kill at one step, then a join at
+another). ``raise_rank``/``raise_at_step`` make a worker raise (a user bug), once per job.
 
 For hung and slow ranks: ``sleep_rank``/``sleep_at_step`` make a worker sleep forever inside its
 loss function (once per job: the ``slept-rank{r}`` marker); ``step_sleep_s`` slows every
@@ -41,13 +42,15 @@ class IndexedDataset(Dataset):
 
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
-          slow_step_s: float = 0.0, **spiral_args) -> Task:
+          slow_step_s: float = 0.0, pauses: list[list[int]] = (), **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
     # One trace file per process, named so that sorting by name sorts by start time.
     trace_path = Path(trace_dir) / f"rank{rank}-{time.time_ns()}-pid{os.getpid()}.jsonl"
     pause_marker = Path(trace_dir) / f"paused-rank{pause_rank}.pid"
+    # (call, marker) of this rank's extra pause points.
+    more_pauses = [(call, Path(trace_dir) / f"paused-rank{r}-call{call}.pid") for r, call in pauses if str(r) == rank]
     raise_marker = Path(trace_dir) / f"raised-rank{raise_rank}"
     sleep_marker = Path(trace_dir) / f"slept-rank{sleep_rank}"
     calls = 0
@@ -58,12 +61,11 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
             calls += 1
             with trace_path.open("a") as trace:
                 trace.write(json.dumps({"call": calls, "indices": batch[2].tolist()}) + "\n")
-            if str(pause_rank) == rank and calls == pause_at_step and not pause_marker.exists():
-                pause_marker.write_text(str(os.getpid()))
-                resume = pause_marker.with_suffix(".resume")
-                deadline = time.monotonic() + 600
-                while not resume.exists() and time.monotonic() < deadline:
-                    time.sleep(0.02)  # the test SIGKILLs or signals this process here
+            if str(pause_rank) == rank and calls == pause_at_step:
+                _pause_once(pause_marker)
+            for call, marker in more_pauses:
+                if calls == call:
+                    _pause_once(marker)
             if str(raise_rank) == rank and calls == raise_at_step and not raise_marker.exists():
                 raise_marker.touch()
                 raise ValueError(f"a bug in the user's loss function at step {calls}")
@@ -79,6 +81,17 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
     task.val_data = IndexedDataset(task.val_data)
     task.loss_fn = traced_loss
     return task
+
+
+def _pause_once(marker: Path) -> None:
+    """Write this pid to ``marker`` and wait for ``<marker>.resume`` (or a kill); once per job: not if marker exists."""
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    resume = marker.with_suffix(".resume")
+    deadline = time.monotonic() + 600
+    while not resume.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the test SIGKILLs or signals this process here
 
 
 class SpiralStream(IterableDataset):

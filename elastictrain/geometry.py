@@ -1,0 +1,117 @@
+"""The batch geometry of a run, and what becomes of it when a restart brings another world size.
+
+An optimizer step takes ``train.batch_size x world size x accumulation`` samples: the global batch.
+When an elastic job shrinks or grows, ``train.on_world_size_change`` says what gives:
+
+- ``keep_global_batch`` (default): the accumulation changes so that the global batch stays the one
+  the run started with. Every step then takes the same samples as at full size (the data position
+  counts global samples), the number of steps and so the LR schedule stay as planned. A world size
+  whose ranks cannot split the global batch evenly is a ConfigError naming the sizes that can.
+- ``keep_rank_batch``: batch size and accumulation stay as configured and the global batch follows
+  the world size: the steps get fewer or more. With ``train.scale_lr=true`` the learning rate is
+  scaled by the ratio of the new global batch to the old (the linear scaling rule).
+
+``BatchGeometry`` is the Stateful that carries the global batch and accumulation through snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .config import TrainConfig
+from .data import Shard
+from .errors import ConfigError
+
+log = logging.getLogger("elastictrain")
+
+
+@dataclass
+class BatchGeometry:
+    """What the snapshot's steps were taken with; None until the run's first start sets it."""
+
+    global_batch: int | None = None  # samples per optimizer step
+    grad_accum_steps: int | None = None  # micro-batches per step on each rank
+    # train.batch_size and train.grad_accum_steps as configured then: another value now is a
+    # change the user made on purpose (snapshot.accept_changes), and the config wins.
+    configured: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_batch": self.global_batch, "grad_accum_steps": self.grad_accum_steps,
+                "configured": list(self.configured) if self.configured else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.global_batch = int(state_dict["global_batch"])
+        self.grad_accum_steps = int(state_dict["grad_accum_steps"])
+        self.configured = tuple(int(value) for value in state_dict["configured"])
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The geometry for this world size, decided from the snapshot's and the policy."""
+
+    grad_accum_steps: int
+    global_batch: int
+    lr_factor: float = 1.0
+    message: str | None = None  # one log line when a world-size change changed anything
+
+
+def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, saved_world_size: int | None) -> Fit:
+    """The accumulation and global batch at ``world_size`` (pure: no state is touched)."""
+    per_rank_step = train.batch_size * world_size
+    configured = Fit(train.grad_accum_steps, per_rank_step * train.grad_accum_steps)
+    if saved.global_batch is None or saved.configured != (train.batch_size, train.grad_accum_steps):
+        return configured  # a fresh start, an older snapshot, or a batch config changed on purpose
+    change = f"world size {saved_world_size} -> {world_size}"
+    world_changed = saved_world_size != world_size
+    if train.on_world_size_change == "keep_rank_batch":
+        if not world_changed:
+            return configured
+        factor = configured.global_batch / saved.global_batch if train.scale_lr else 1.0
+        lr = f"learning rate x {factor:.6g} (train.scale_lr)" if train.scale_lr else "learning rate unchanged"
+        return Fit(configured.grad_accum_steps, configured.global_batch, factor,
+                   f"{change}: global batch {saved.global_batch} -> {configured.global_batch} samples per step, "
+                   f"train.batch_size {train.batch_size} per rank kept (train.on_world_size_change=keep_rank_batch); {lr}")
+    if saved.global_batch % per_rank_step:
+        ranks = saved.global_batch // train.batch_size
+        raise ConfigError(
+            f"{change}: the global batch of {saved.global_batch} samples per step cannot be kept "
+            f"(train.on_world_size_change=keep_global_batch): it is not a multiple of train.batch_size "
+            f"{train.batch_size} x {world_size} ranks; world sizes that can keep it: {_divisors(ranks)} (set --nnodes "
+            "and --nproc-per-node to stay among them), or set train.on_world_size_change=keep_rank_batch"
+        )
+    accum = saved.global_batch // per_rank_step
+    if not world_changed:
+        return Fit(accum, saved.global_batch)
+    return Fit(accum, saved.global_batch, 1.0,
+               f"{change}: global batch of {saved.global_batch} samples per step kept "
+               f"(train.on_world_size_change=keep_global_batch): gradient accumulation {saved.grad_accum_steps} -> {accum} "
+               f"micro-batches of train.batch_size {train.batch_size} per rank")
+
+
+def apply_fit(fit: Fit, geometry: BatchGeometry, rank: int, world_size: int, train: TrainConfig,
+              optimizer: Any, lr_scheduler: Any) -> Shard:
+    """Record ``fit`` in the geometry, scale the learning rate if it says so, and return this rank's shard."""
+    geometry.global_batch, geometry.grad_accum_steps = fit.global_batch, fit.grad_accum_steps
+    geometry.configured = (train.batch_size, train.grad_accum_steps)
+    if fit.lr_factor != 1.0:
+        scale_learning_rate(optimizer, lr_scheduler, fit.lr_factor)
+    if fit.message is not None:
+        log.info("%s", fit.message)
+    return Shard(rank, world_size, train.batch_size, fit.grad_accum_steps)
+
+
+def scale_learning_rate(optimizer: Any, lr_scheduler: Any, factor: float) -> None:
+    """Multiply the learning rate by ``factor`` where it lives: each param group and the scheduler's base."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    if lr_scheduler is not None and hasattr(lr_scheduler, "base_lrs"):
+        lr_scheduler.base_lrs = [lr * factor for lr in lr_scheduler.base_lrs]
+
+
+def _divisors(number: int, shown: int = 8) -> str:
+    found = [str(d) for d in range(1, number + 1) if number % d == 0]
+    return ", ".join(found[:shown]) + (", ..." if len(found) > shown else "")

@@ -1,0 +1,176 @@
+"""Elastic membership under real torchrun: two agents as two nodes, one lost and started again.
+
+``--nnodes=1:2 --nproc-per-node=1``. A node's worker pauses at a known step and the whole node
+(agent and worker) is SIGKILLed; the survivor re-rendezvouses alone and continues from the newest
+snapshot at world size 1. Rank 0 then pauses at a known step, the lost node is started again, and
+the survivor's agent sees it waiting: it stops its worker (SIGTERM: a snapshot of exactly that
+step), and both nodes go on at world size 2 to the end. The global batch is kept throughout (rank 0
+alone accumulates two micro-batches per step), so every step trains the samples it would in one
+clean pass, and the same changes at the same steps end with the same parameters.
+
+With c10d the rendezvous store lives in agent 0, so node 1 is the one lost; with etcd it may be
+node 0 (rank 0, host of the workers' store). With c10d, losing agent 0 ends the job.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from elastictrain.data import epoch_order
+from elastictrain.snapshot import load_object
+from elastictrain.storage import SnapshotStore
+from tests.conftest import parse_job, JobResult
+from tests.helpers import procs
+from tests.helpers.agents import NodeGroup
+from tests.helpers.etcd import EtcdServer
+from tests.helpers.tasks import read_traces
+
+pytestmark = pytest.mark.torchrun
+
+TIMEOUT_S = 120
+SNAPSHOT_EVERY = 25
+KILL_STEP = 37  # rank 1's node is lost in step 37 (of 48 in epoch 0): the survivor restores step 25
+GROW_STEP = 60  # the node is back at step 60 (epoch 1): the world of one stops there with a snapshot
+SAMPLES, STEPS_PER_EPOCH, EPOCHS = 1536, 48, 2  # 1536 samples / 32 per step
+STEPS = EPOCHS * STEPS_PER_EPOCH
+# Rank 0 alone takes each step of 32 samples as two micro-batches of 16 (the global batch is kept):
+# the forward of step 60's second micro-batch is its 2 x (60 - 25)-th call after the restore.
+GROW_CALL = 2 * (GROW_STEP - SNAPSHOT_EVERY)
+JOB = [
+    "task.factory=tests.helpers.tasks:build",
+    f"train.max_epochs={EPOCHS}",
+    "train.batch_size=16",
+    "train.log_every_steps=10",
+    f"snapshot.every_steps={SNAPSHOT_EVERY}",
+    "log.plots=false",
+]
+# Tests need no 30 s waits: a lost node is declared dead 4 s after its last heartbeat (one a second), and a
+# round waits 2 s after its first node for more to join.
+RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}
+# One intra-op thread per worker, as torchrun sets it for several workers per node: two workers with
+# two threads each on two shared cores make every step 10x slower.
+ENV = {"OMP_NUM_THREADS": "1"}
+ROUND = re.compile(r"INFO process group gloo up: rank 0 of 2, restart (\d+), round (\w+)")
+
+
+@dataclass
+class ElasticRun:
+    result: JobResult  # from the output of the agents at the end, with rank 0's run summary
+    workdir: Path
+
+
+def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictrain-c10d",
+                        endpoint: str | None = None) -> ElasticRun:
+    """Node ``lost`` dies in step KILL_STEP and is back at GROW_STEP; the job runs to the end."""
+    trace_dir = workdir / "trace"
+    trace_dir.mkdir(parents=True)
+    overrides = [*JOB, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
+                 f"task.args.pauses=[[{lost},{KILL_STEP}],[0,{GROW_CALL}]]"]  # node i holds rank i
+    nodes = NodeGroup(workdir, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+                      env={**ENV, "RDZV_BACKEND": backend}, **({"endpoint": endpoint} if endpoint else {}))
+
+    def host_store(index: int) -> bool | None:  # c10d: agent 0 hosts the rendezvous; etcd: nobody does
+        return index == 0 if backend.endswith("c10d") else None
+
+    for index in (0, 1):
+        nodes.launch(index, host_store=host_store(index))
+    procs.wait_for_file(trace_dir / f"paused-rank{lost}-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[lost])
+    nodes.kill(lost)  # the node is lost: agent and worker at once
+
+    survivor = nodes.agents[1 - lost]
+    survivor_pid = int(procs.wait_for_file(trace_dir / f"paused-rank0-call{GROW_CALL}.pid", TIMEOUT_S, survivor))
+    nodes.launch(lost, host_store=host_store(lost))
+    # The survivor's agent sees the new node waiting and stops its worker: SIGTERM, sent right after
+    # torchrun's line. The worker, let go, finishes the step and snapshots exactly that step.
+    survivor.wait_for(lambda text: f"Sending process {survivor_pid} closing signal SIGTERM" in text, TIMEOUT_S,
+                      "the survivor's agent to stop its worker for the new node")
+    time.sleep(0.5)
+    (trace_dir / f"paused-rank0-call{GROW_CALL}.resume").touch()
+    codes = nodes.wait(TIMEOUT_S)
+    output = nodes.output()
+    assert codes == {0: 0, 1: 0}, output[-6000:]
+    assert nodes.leftover_pids() == []
+    return ElasticRun(parse_job(output), workdir)
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    return run_shrink_and_grow(tmp_path_factory.mktemp("elastic"))
+
+
+def attempts(workdir: Path) -> list[tuple[int, int]]:
+    """(world size, first step) of every attempt, as the final snapshot's run log has them."""
+    _, objects = SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()
+    run_log = load_object(objects["state.pt"], "final")["run_log"]["attempts"]
+    return [(attempt["world_size"], attempt["start_step"]) for attempt in run_log]
+
+
+def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(elastic_run):
+    assert attempts(elastic_run.workdir) == [(2, 0), (1, SNAPSHOT_EVERY), (2, GROW_STEP)]
+    output = elastic_run.result.output
+    assert f"preempted at step {GROW_STEP}: snapshot committed" in output
+    assert "world size 2 -> 1: global batch of 32 samples per step kept" in output
+    assert "world size 1 -> 2: global batch of 32 samples per step kept" in output
+    # The survivor's agent restarted once (the lost node); the node that joined is at its first
+    # attempt: restart counts 1 and 0 in one world, on a round of its own.
+    rounds = ROUND.findall(output)
+    assert [restart for restart, _ in rounds] == ["0", "1"] and rounds[0][1] != rounds[1][1]
+    summary = elastic_run.result.summary
+    assert (summary["state"], summary["world_size"], summary["step"]) == ("DONE", "2", str(STEPS))
+
+
+def test_every_step_across_the_shrink_and_the_grow_trains_the_samples_of_one_clean_pass(elastic_run):
+    rank0, rank1 = (read_traces(elastic_run.workdir / "trace", rank) for rank in (0, 1))
+    assert (len(rank0), len(rank1)) == (3, 2), "rank 0 ran in 3 attempts, rank 1 in the first and the last"
+    # Each attempt: its first step, micro-batches per step, and the forwards of each of its ranks.
+    runs = [(0, 1, [rank0[0], rank1[0]]), (SNAPSHOT_EVERY, 2, [rank0[1]]), (GROW_STEP, 1, [rank0[2], rank1[1]])]
+    steps: list[list[int]] = []
+    for start, accum, ranks in runs:
+        taken = min(len(forwards) for forwards in ranks) // accum
+        # A restored attempt redoes the steps after its snapshot: they replace the earlier attempt's.
+        steps = steps[:start] + [
+            sorted(i for forwards in ranks for batch in forwards[k * accum:(k + 1) * accum] for i in batch)
+            for k in range(taken)
+        ]
+    assert len(steps) == STEPS
+    for epoch in range(EPOCHS):
+        order = epoch_order(SAMPLES, seed=0, epoch=epoch, shuffle=True)
+        epoch_steps = steps[epoch * STEPS_PER_EPOCH:(epoch + 1) * STEPS_PER_EPOCH]
+        assert sorted(i for step in epoch_steps for i in step) == list(range(SAMPLES)), (
+            f"epoch {epoch}: a sample skipped or seen twice")
+        for index, step in enumerate(epoch_steps):
+            assert step == sorted(order[index * 32:(index + 1) * 32]), f"step {epoch * STEPS_PER_EPOCH + index}"
+
+
+def test_on_etcd_the_node_of_rank_0_may_be_lost_and_the_same_changes_end_with_the_same_parameters(elastic_run, tmp_path):
+    """Node 0 holds rank 0 and hosts the workers' store: with c10d it also holds the rendezvous and cannot
+    go (pytorch#150916), on etcd node 1 carries on alone and hosts the store itself. The world sizes change
+    at the same steps as in the c10d run, so the run ends with the same parameters."""
+    etcd = EtcdServer(tmp_path)
+    try:
+        again = run_shrink_and_grow(tmp_path, lost=0, backend="elastictrain-etcd-v2", endpoint=etcd.endpoint)
+    finally:
+        etcd.stop()
+    assert attempts(again.workdir) == attempts(elastic_run.workdir) == [(2, 0), (1, SNAPSHOT_EVERY), (2, GROW_STEP)]
+    assert again.result.summary["params_sha256"] == elastic_run.result.summary["params_sha256"]
+
+
+def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job(tmp_path):
+    """What README's "Elastic training" tells users: with c10d, keep agent 0 (the store host) alive."""
+    (tmp_path / "trace").mkdir()
+    overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
+                 f"task.args.pauses=[[0,{KILL_STEP}]]"]
+    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    procs.wait_for_file(tmp_path / "trace" / f"paused-rank0-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[0])
+    lost = time.monotonic()
+    nodes.kill(0)
+    assert nodes.wait(TIMEOUT_S)[1] == 1
+    assert time.monotonic() - lost < 30, "the survivor gives up at once, it does not wait for a store that is gone"
+    assert "RendezvousConnectionError: The connection to the C10d store has failed" in nodes.agents[1].output()
