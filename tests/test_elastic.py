@@ -15,6 +15,7 @@ node 0 (rank 0, host of the workers' store). With c10d, losing agent 0 ends the 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,11 +161,17 @@ def test_on_etcd_the_node_of_rank_0_may_be_lost_and_the_same_changes_end_with_th
     assert again.result.summary["params_sha256"] == elastic_run.result.summary["params_sha256"]
 
 
-def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job(tmp_path):
-    """What README's "Elastic training" tells users: with c10d, keep agent 0 (the store host) alive."""
+def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_the_relaunch_restores_the_other_nodes_memory(tmp_path):
+    """What README's "Elastic training" tells users: with c10d, keep agent 0 (the store host) alive.
+
+    With the fast tier on, each node keeps its own copies (here ``shm-node<GROUP_RANK>``). Node 0
+    is lost with its memory; the job is relaunched on both nodes, and node 1's copy of step 35,
+    newer than the durable step 25, is sent to rank 0.
+    """
     (tmp_path / "trace").mkdir()
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
-                 f"task.args.pauses=[[0,{KILL_STEP}]]"]
+                 f"task.args.pauses=[[0,{KILL_STEP}]]",
+                 f"snapshot.local_url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local_every_steps=5"]
     nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)
@@ -174,3 +181,14 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job(tmp_pa
     assert nodes.wait(TIMEOUT_S)[1] == 1
     assert time.monotonic() - lost < 30, "the survivor gives up at once, it does not wait for a store that is gone"
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in nodes.agents[1].output()
+
+    shutil.rmtree(tmp_path / "shm-node0")  # the lost node's memory is gone with it
+    assert [s.step for s in SnapshotStore(str(tmp_path / "shm-node1" / "default")).list_snapshots()] == [30, 35]
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    assert nodes.wait(TIMEOUT_S) == {0: 0, 1: 0}, nodes.output()[-6000:]
+    output = nodes.agents[0].output()
+    assert "restored step 35 from the node-local tier of node 1 (rank 1), sent to this rank" in output, output[-4000:]
+    assert parse_job(output).summary["step"] == str(STEPS)
+    assert not (tmp_path / "shm-node1" / "default").exists(), "DONE gives each node's memory back"
+    assert nodes.leftover_pids() == []
