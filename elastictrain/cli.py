@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     ).add_subparsers(dest="snapshot_command", required=True)
     _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, valid (cheap check)",
              lambda tools, args, found: (tools.list_document(*found), tools.render_list))
-    _command(snapshots, "verify", [store], "read every object and check every sha256; exit 1 if the newest is invalid",
+    _command(snapshots, "verify", [store], "read every object and check every checksum; exit 1 if the newest is invalid",
              lambda tools, args, found: (tools.verify_document(*found), tools.render_verify))
     _command(snapshots, "show", [store, pick], "config, progress, attempts and history of one snapshot",
              lambda tools, args, found: (tools.show_document(*found, args.step), tools.render_show))

@@ -78,7 +78,7 @@ def render_list(document: dict[str, Any]) -> str:
     for row in rows:
         if not row["valid"]:
             lines += _wrap(f"step {row['step']}: {row['problem']}", indent="  ")
-    lines.append("(sizes checked; `elastictrain snapshots verify` also checks every sha256)")
+    lines.append("(sizes checked; `elastictrain snapshots verify` also checks every checksum)")
     return "\n".join(lines)
 
 
@@ -112,7 +112,7 @@ def _size_problem(manifest: Manifest | None, sizes: dict[str, int]) -> str | Non
 # -- verify -----------------------------------------------------------------------------------
 
 def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
-    """Read every object of every snapshot and check its size and sha256 against the manifest."""
+    """Read every object of every snapshot and check its size and checksum against the manifest."""
     rows = []
     for listing in listings:
         try:
@@ -138,7 +138,7 @@ def render_verify(document: dict[str, Any]) -> str:
     lines = _wrap(f"verified {len(document['snapshots'])} snapshot(s) under {document['url']}")
     for row in document["snapshots"]:
         if row["valid"]:
-            lines.append(f"  step {row['step']:>9}  ok   {row['objects']} objects, {_human_bytes(row['size_bytes'])}, sha256 match")
+            lines.append(f"  step {row['step']:>9}  ok   {row['objects']} objects, {_human_bytes(row['size_bytes'])}, checksums match")
         else:
             lines.append(f"  step {row['step']:>9}  BAD")
             lines += _wrap(row["problem"], indent="      ", subsequent="      ")

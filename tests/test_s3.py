@@ -106,7 +106,7 @@ def delete_manifest(client, bucket, step):
 
 
 @pytest.mark.parametrize("corrupt, fragment", [
-    (flip_one_byte, "sha256 mismatch"), (truncate, "size mismatch"), (delete_manifest, "no manifest"),
+    (flip_one_byte, "xxh3_128 mismatch"), (truncate, "size mismatch"), (delete_manifest, "no manifest"),
 ])
 def test_corrupt_newest_falls_back_to_previous_with_one_warning(store, s3_server, s3_bucket, caplog, corrupt, fragment):
     commit_small(store, 10)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import random
+import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from elastictrain.errors import SnapshotError
 from elastictrain.snapshot import (
-    History, Progress, capture_rng, load_model_weights, load_object, params_sha256, restore_rng,
+    History, Progress, capture_rng, load_model_weights, load_object, params_sha256, restore_rng, save_object,
 )
 
 
@@ -26,6 +28,24 @@ def test_rng_states_survive_save_and_safe_load():
     expected = draws()
     restore_rng(load_object(buffer.getvalue(), "test")["rng"], torch.device("cpu"))
     assert draws() == expected
+
+
+def test_save_object_skips_the_zip_crc32_loads_the_same_and_leaves_torchs_setting_alone():
+    state = {"weights": torch.randn(64, 64), "step": 7, "nested": [torch.arange(5)]}
+    buffer = io.BytesIO()
+    save_object(state, buffer)
+    # The zip records carry no CRC-32 (the store's checksum covers every byte; torch.load never checks it) ...
+    assert {info.CRC for info in zipfile.ZipFile(io.BytesIO(buffer.getvalue())).infolist()} == {0}
+    loaded = load_object(buffer.getvalue(), "test")
+    assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 7
+    assert torch.equal(loaded["nested"][0], torch.arange(5))
+    # ... and a torch.save of the user's afterwards computes it as before, even after a save that failed.
+    with pytest.raises(TypeError, match="cannot pickle"):
+        save_object({"not picklable": threading.Lock()}, io.BytesIO())
+    assert torch.serialization.get_crc32_options() is True
+    plain = io.BytesIO()
+    torch.save(state, plain)
+    assert 0 not in {info.CRC for info in zipfile.ZipFile(io.BytesIO(plain.getvalue())).infolist()}
 
 
 def test_progress_and_history_round_trip():

@@ -131,7 +131,7 @@ def test_list_has_one_row_per_step_prefix_and_flags_a_torn_one(store_dir):
 def test_verify_exits_0_then_1_naming_a_corrupt_newest_snapshot(store_dir):
     done = elastictrain("snapshots", "verify", store_dir)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("sha256 match") == len(SNAPSHOT_STEPS)
+    assert done.stdout.count("checksums match") == len(SNAPSHOT_STEPS)
 
     flip_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
     done = elastictrain("snapshots", "verify", store_dir)
@@ -139,7 +139,7 @@ def test_verify_exits_0_then_1_naming_a_corrupt_newest_snapshot(store_dir):
     assert_fits_80_columns(done.stdout)
     bad = [line.split() for line in done.stdout.splitlines() if "BAD" in line]
     assert bad == [["step", "96", "BAD"]]
-    assert f"step 96 BAD snapshot {store_dir}/step-000000000096 is corrupt: object 'model.pt' sha256 mismatch" in words(done.stdout)
+    assert f"step 96 BAD snapshot {store_dir}/step-000000000096 is corrupt: object 'model.pt' xxh3_128 mismatch" in words(done.stdout)
     assert "a restore would fall back to step 80" in done.stdout
     assert_one_error_line(done, "newest snapshot", "(step 96) is invalid")
 
@@ -151,7 +151,7 @@ def test_verify_exits_0_when_only_an_older_snapshot_is_corrupt(store_dir):
     document = json.loads(done.stdout)
     assert document["invalid_steps"] == [60] and document["newest_valid"] is True
     assert [row["step"] for row in document["snapshots"] if row["valid"]] == [40, 80, 96]
-    assert "'state.pt' sha256 mismatch" in document["snapshots"][1]["problem"]
+    assert "'state.pt' xxh3_128 mismatch" in document["snapshots"][1]["problem"]
 
 
 def test_show_prints_the_newest_valid_snapshots_progress_config_and_history(trained):

@@ -10,10 +10,12 @@ import logging
 import os
 import re
 import subprocess
+import time
 import uuid
 
 import fsspec
 import pytest
+import xxhash
 
 from elastictrain.errors import SnapshotError, StorageError
 from elastictrain.storage import (
@@ -92,7 +94,7 @@ def test_manifest_round_trips_and_declares_format():
         snapshot_id="step-000000000007",
         step=7,
         created_unix=1234.5,
-        objects={"model": ObjectEntry(size=3, sha256="ab" * 32)},
+        objects={"model": ObjectEntry(size=3, algorithm="xxh3_128", digest="ab" * 16)},
         meta={"epoch": 2, "world_size": 4},
     )
     document = json.loads(manifest.to_json())
@@ -110,7 +112,7 @@ def test_manifest_round_trips_and_declares_format():
         (b'{"format": "elastictrain-snapshot", "manifest_version": 1}', "lacks a field"),
         (
             json.dumps({"format": FORMAT, "manifest_version": MANIFEST_VERSION + 1}).encode(),
-            "has manifest_version 2, this elastictrain reads up to 1; upgrade elastictrain",
+            f"has manifest_version {MANIFEST_VERSION + 1}, this elastictrain reads up to {MANIFEST_VERSION}; upgrade elastictrain",
         ),
     ],
 )
@@ -129,8 +131,8 @@ def test_commit_then_read_returns_exact_bytes_and_hashes(store):
     )
     assert manifest.snapshot_id == "step-000000000040"
     assert manifest.objects == {
-        "model": ObjectEntry(len(BIG_OBJECT), hashlib.sha256(BIG_OBJECT).hexdigest()),
-        "optim": ObjectEntry(len(small), hashlib.sha256(small).hexdigest()),
+        "model": ObjectEntry(len(BIG_OBJECT), "xxh3_128", xxhash.xxh3_128(BIG_OBJECT).hexdigest()),
+        "optim": ObjectEntry(len(small), "xxh3_128", xxhash.xxh3_128(small).hexdigest()),
     }
 
     [listing] = store.list_snapshots()
@@ -141,6 +143,100 @@ def test_commit_then_read_returns_exact_bytes_and_hashes(store):
     assert read_manifest == manifest
     assert read_manifest.meta == {"epoch": 3, "world_size": 2}
     assert payload == {"model": BIG_OBJECT, "optim": small}
+
+
+def write_version_1_snapshot(store, step, data):
+    """A snapshot exactly as elastictrain wrote it before manifests named their checksum: sha256 only."""
+    snapshot_id = snapshot_id_for_step(step)
+    store.fs.makedirs(f"{store.root}/{snapshot_id}", exist_ok=True)
+    store.fs.pipe_file(object_path(store, step, "model"), data)
+    manifest = {
+        "format": FORMAT, "manifest_version": 1, "snapshot_id": snapshot_id, "step": step, "created_unix": 1.0,
+        "objects": {"model": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}, "meta": {},
+    }
+    store.fs.pipe_file(object_path(store, step, MANIFEST_NAME), json.dumps(manifest).encode())
+
+
+def test_new_snapshots_record_their_checksum_algorithm(store):
+    commit_small(store, 10)
+    document = json.loads(store.fs.cat_file(object_path(store, 10, MANIFEST_NAME)))
+    data = b"model at step 10"
+    assert document["manifest_version"] == 2
+    assert document["objects"] == {"model": {"size": len(data), "algorithm": "xxh3_128",
+                                             "digest": xxhash.xxh3_128(data).hexdigest()}}
+
+
+def test_version_1_snapshots_verify_with_sha256_and_a_flipped_byte_is_caught(store, url):
+    write_version_1_snapshot(store, 10, b"written by elastictrain 0.1")
+    manifest, payload = store.latest_valid()
+    assert manifest.objects["model"] == ObjectEntry(27, "sha256", hashlib.sha256(b"written by elastictrain 0.1").hexdigest())
+    assert payload == {"model": b"written by elastictrain 0.1"}
+
+    flip_one_byte(store, 10)
+    with pytest.raises(SnapshotError, match=f"^snapshot {re.escape(url)}/step-000000000010 is corrupt: object 'model' sha256 mismatch"):
+        store.read_verified("step-000000000010")
+
+
+def test_a_store_that_writes_sha256_reads_back_and_catches_a_flipped_byte(url):
+    store = SnapshotStore(url, checksum="sha256")
+    manifest = commit_small(store, 10)
+    assert manifest.objects["model"] == ObjectEntry(16, "sha256", hashlib.sha256(b"model at step 10").hexdigest())
+    assert SnapshotStore(url).read_verified("step-000000000010")[1] == {"model": b"model at step 10"}
+    flip_one_byte(store, 10)
+    with pytest.raises(SnapshotError, match="object 'model' sha256 mismatch"):
+        SnapshotStore(url).read_verified("step-000000000010")
+
+
+def test_an_unknown_checksum_algorithm_is_one_line_and_the_snapshot_is_skipped(store, url, caplog):
+    commit_small(store, 10)
+    commit_small(store, 20)
+    path = object_path(store, 20, MANIFEST_NAME)
+    document = json.loads(store.fs.cat_file(path))
+    document["objects"]["model"]["algorithm"] = "blake9"
+    store.fs.pipe_file(path, json.dumps(document).encode())
+
+    with pytest.raises(SnapshotError) as raised:
+        store.read_verified("step-000000000020")
+    assert str(raised.value) == (
+        f"snapshot {url}/step-000000000020 is corrupt: manifest {url}/step-000000000020/{MANIFEST_NAME} checks object "
+        "'model' with 'blake9', which this elastictrain does not know (it knows sha256, xxh3_128); upgrade elastictrain "
+        "to resume from it"
+    )
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+        assert store.latest_valid()[0].step == 10
+    assert "'blake9'" in warning_messages(caplog)[0]
+
+
+def test_large_writes_are_checksummed_in_order_and_done_with_the_buffer_when_write_returns(store):
+    # The digest is of the bytes in order, and of the bytes as they were during the call: a file's
+    # caller may reuse its buffer as soon as write() returns (torch.save frees or reuses its own),
+    # so a checksum computed later (on another thread, say) must not see the reuse.
+    reused = bytearray(BIG_OBJECT[: 2 << 20])
+    expected = b"head" + BIG_OBJECT + bytes(reused) + b"tail"
+
+    def writer(handle):
+        handle.write(b"head")
+        handle.write(BIG_OBJECT)
+        handle.write(reused)
+        reused[:] = bytes(len(reused))  # the caller reuses its buffer at once
+        handle.write(b"tail")
+
+    manifest = store.commit(10, {"model": writer}, meta={})
+    assert manifest.objects["model"] == ObjectEntry(len(expected), "xxh3_128", xxhash.xxh3_128(expected).hexdigest())
+    assert store.read_verified("step-000000000010")[1] == {"model": expected}
+
+
+def test_commit_timings_say_where_the_time_went(store):
+    def slow_writer(handle):
+        time.sleep(0.05)  # the writer's own work, e.g. torch.save pickling
+        handle.write(BIG_OBJECT)
+
+    manifest = store.commit(10, {"model": slow_writer, "optim": write_bytes(b"abc")}, meta={})
+    timings = store.last_commit_timings
+    assert timings.size_bytes == len(BIG_OBJECT) + 3 == sum(entry.size for entry in manifest.objects.values())
+    assert timings.serialise_s >= 0.05  # the sleep, not the write: it is outside write()
+    parts = timings.serialise_s + timings.hash_s + timings.write_s + timings.fsync_s + timings.upload_s + timings.manifest_s
+    assert 0 < parts <= timings.total_s
 
 
 def test_writer_sees_position_and_no_seeking(store):
@@ -155,7 +251,7 @@ def test_writer_sees_position_and_no_seeking(store):
 
     manifest = store.commit(1, {"model": writer}, meta={})
     assert seen == {"writable": True, "seekable": False, "tell": 5}
-    assert manifest.objects["model"] == ObjectEntry(5, hashlib.sha256(b"abcde").hexdigest())
+    assert manifest.objects["model"] == ObjectEntry(5, "xxh3_128", xxhash.xxh3_128(b"abcde").hexdigest())
 
 
 def test_torn_snapshot_is_listed_with_problem_and_skipped(store, caplog):
@@ -201,7 +297,7 @@ def garble_manifest(store, step):
 @pytest.mark.parametrize(
     "corrupt, fragment",
     [
-        (flip_one_byte, "object 'model' sha256 mismatch"),
+        (flip_one_byte, "object 'model' xxh3_128 mismatch"),
         (truncate, "object 'model' size mismatch"),
         (delete_object, "object 'model' is missing"),
         (garble_manifest, "manifest.json is not valid JSON"),
