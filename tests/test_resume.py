@@ -47,20 +47,25 @@ def test_reference_run_trains_every_sample_once_per_epoch(reference):
 
 
 @pytest.mark.parametrize(
-    "kill_rank, kill_step",
-    [(1, 37), (0, 61), (1, 7)],
-    ids=["rank1-mid-epoch0", "rank0-mid-epoch1", "rank1-before-first-snapshot"],
+    "kill_rank, kill_step, fast_every",
+    [(1, 37, 0), (0, 61, 5), (1, 7, 0)],
+    # rank 0 killed with the fast tier on (snapshot.local_url): restored from the node's memory
+    ids=["rank1-mid-epoch0", "rank0-mid-epoch1-fast-tier", "rank1-before-first-snapshot"],
 )
-def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_step):
+def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_step, fast_every):
     ref_result, ref_traces, _ = reference
-    job = launch_job(tmp_path, "job", [f"task.args.pause_rank={kill_rank}", f"task.args.pause_at_step={kill_step}"])
+    fast_tier = [f"snapshot.local_url={tmp_path / 'shm'}", f"snapshot.local_every_steps={fast_every}"] if fast_every else []
+    job = launch_job(tmp_path, "job", [f"task.args.pause_rank={kill_rank}", f"task.args.pause_at_step={kill_step}",
+                                       *fast_tier])
     pid = int(procs.wait_for_file(tmp_path / "trace" / f"paused-rank{kill_rank}.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
 
     result = parse_job(job.output())
-    last_snapshot = (kill_step - 1) // SNAPSHOT_EVERY * SNAPSHOT_EVERY
+    last_snapshot = (kill_step - 1) // (fast_every or SNAPSHOT_EVERY) * (fast_every or SNAPSHOT_EVERY)
     assert start_steps(result.output) == [0, last_snapshot], "expected exactly one restart, from the last snapshot"
+    if fast_every:  # step 60 from memory, though the durable store has only step 50
+        assert f"restored step {last_snapshot} from the node-local tier of node 0 (rank 0)" in result.output
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
     for rank in (0, 1):

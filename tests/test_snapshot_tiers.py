@@ -5,18 +5,13 @@ fast tier is refused before its first write when it does not fit, and cleaned at
 
 from __future__ import annotations
 
-import os
-import signal
 from collections import namedtuple
 
 import pytest
 
 from elastictrain import ConfigError, Trainer, seed_everything
 from elastictrain.storage import SnapshotStore
-from tests.conftest import parse_job
-from tests.helpers import procs
-from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
-from tests.helpers.tasks import build, read_traces, stitch
+from tests.helpers.tasks import build
 from tests.test_trainer import memory_url
 
 LOCAL_EVERY = 4
@@ -92,24 +87,6 @@ def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_pat
         run.fit()
     assert run.progress.global_step == LOCAL_EVERY
     assert local_steps(tmp_path) == []
-
-
-@pytest.mark.torchrun
-def test_a_killed_worker_is_restored_from_its_nodes_memory(tmp_path, reference_run):
-    shm = tmp_path / "shm"
-    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=37",
-                                       f"snapshot.local_url={shm}", "snapshot.local_every_steps=5"])
-    pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
-    os.kill(pid, signal.SIGKILL)
-    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
-    result = parse_job(job.output())
-    # The durable store has step 25; the node's memory has step 35.
-    assert start_steps(result.output) == [0, 35]
-    assert "restored step 35 from the node-local tier of node 0 (rank 0)" in result.output
-    assert result.summary["params_sha256"] == reference_run.result.summary["params_sha256"]
-    for rank in (0, 1):
-        stitched = stitch(read_traces(tmp_path / "trace", rank), [0, 35])
-        assert stitched == reference_run.traces[rank]
 
 
 def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
