@@ -7,8 +7,8 @@ torch and nothing of elastictrain, so its start-up costs what a hand-written scr
 two tasks mirror elastictrain's default task (the spirals MLP with Adam and a StepLR) and
 ``benchmarks/_big_task.py`` (the 16.7 M-parameter MLP with Adam), rebuilt here with torch alone.
 
-Every event is one line ``textbook rank R restart A t=<unix s> <event>`` on stdout: ``start``
-(before ``import torch``), ``imported``, ``pg-up``, ``built`` (model, optimizer, data: the
+Every event is one line ``textbook rank R restart A t=<unix s> <event>`` on stdout: ``start pid
+P`` (timed before ``import torch``), ``imported``, ``pg-up``, ``built`` (model, optimizer, data: the
 first optimizer imports ``torch._dynamo``), ``ddp`` (wrapped), ``loaded`` (a checkpoint was read
 and loaded), ``step N`` after each optimizer step, ``saved N``.
 """
@@ -71,7 +71,7 @@ def main() -> None:
         sys.stdout.write(f"textbook rank {rank} restart {restart} t={time.time() if when is None else when:.3f} {what}\n")
         sys.stdout.flush()
 
-    event("start", STARTED_UNIX)
+    event(f"start pid {os.getpid()}", STARTED_UNIX)
     event("imported", IMPORTED_UNIX)
     dist.init_process_group("gloo")
     event("pg-up")

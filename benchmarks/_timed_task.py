@@ -3,7 +3,8 @@
 ``python -m elastictrain train`` logs nothing before its process group is up, so these lines
 split a restarted worker's start-up into imports (process start -> factory called), building the
 task (model, optimizer, data: the first optimizer imports ``torch._dynamo``) and the rest. Lines
-are ``timed-task rank R restart A t=<unix s> factory-start|factory-end`` on stdout.
+are ``timed-task rank R restart A t=<unix s> factory-start pid P`` and ``... factory-end`` on
+stdout; the pid tells the benchmark which process to kill, however the launcher started it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _event(what: str) -> None:
 
 
 def _timed(build: Callable[..., Task], kwargs: dict[str, Any]) -> Task:
-    _event("factory-start")
+    _event(f"factory-start pid {os.getpid()}")
     task = build(**kwargs)
     _event("factory-end")
     return task

@@ -108,15 +108,11 @@ def events(output: str, near_unix: float) -> list[tuple[float, str, int | None, 
     return found
 
 
-def worker_pid(agent_pid: int, rank: int, restart: int) -> int | None:
-    for pid in procs.descendants(agent_pid):
-        try:
-            environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and f"TORCHELASTIC_RESTART_COUNT={restart}".encode() in environ:
-            return pid
-    return None
+def worker_pid(output: str, rank: int, restart: int) -> int | None:
+    """The pid a worker printed in its first line (workers started by multiprocessing have no RANK in /proc/<pid>/environ)."""
+    found = re.search(rf"^(?:textbook|timed-task) rank {rank} restart {restart} t=[\d.]+ (?:start|factory-start) pid (\d+)$",
+                      output, re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 def step_pattern(mode: str, attempt: int) -> re.Pattern:
@@ -138,12 +134,12 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
         launched.wait_for(lambda out: saved.search(out) is not None
                           and any(int(step) >= job["kill_at_step"] for step in before.findall(out)),
                           START_TIMEOUT_S, f"step {job['kill_at_step']} after the first snapshot")
-        victim = worker_pid(launched.proc.pid, rank=1, restart=0)
+        victim = worker_pid(launched.output(), rank=1, restart=0)
         os.kill(victim, signal.SIGKILL)
         killed_unix = time.time()
         try:
             launched.wait_for(lambda out: after.search(out) is not None, RECOVERY_TIMEOUT_S, "the first step after the restart")
-            new_rank0 = worker_pid(launched.proc.pid, rank=0, restart=1)
+            new_rank0 = worker_pid(launched.output(), rank=0, restart=1)
             result["worker_start_unix"] = process_start_unix(new_rank0) if new_rank0 else None
         except AssertionError as exc:  # the agent gave up, or no step within the time limit
             result["outcome"] = "failed"
@@ -151,6 +147,8 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
     finally:
         procs.kill_all_launched()
     output = launched.output()
+    if result["outcome"] != "recovered":  # evidence: where the restarted attempt stood
+        result["last_lines"] = [line[:300] for line in output.splitlines()[-12:]]
     if result["outcome"] == "recovered":
         result.update(phases(mode, events(output, killed_unix), killed_unix, result.get("worker_start_unix")))
     result["restored_step"] = restored_step(mode, output)
@@ -191,7 +189,7 @@ def phases(mode: str, found: list[tuple], killed_unix: float, worker_start_unix:
     }
     if mode == "elastictrain":
         moments |= {
-            "imported": first("worker", lambda m: m == "factory-start", 1),
+            "imported": first("worker", lambda m: m.startswith("factory-start"), 1),
             "built": first("worker", lambda m: m == "factory-end", 1),
             "pg_up": first("worker", lambda m: m.startswith("process group"), 1),
             "restore_begins": first("worker", lambda m: m.startswith("state SETUP -> RESTORE"), 1),
@@ -228,17 +226,17 @@ def phases(mode: str, found: list[tuple], killed_unix: float, worker_start_unix:
 def import_cost(repeats: int) -> dict:
     """Wall time of two interpreters started at once importing torch alone, and elastictrain.loop."""
     code = "import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
-    results = {}
-    for module in ("torch", "elastictrain.loop"):
-        walls = []
-        for _ in range(repeats):
+    modules = ("torch", "elastictrain.loop")
+    walls: dict[str, list[dict]] = {module: [] for module in modules}
+    for repeat in range(repeats):
+        for module in modules if repeat % 2 == 0 else modules[::-1]:  # interleaved: load drift falls on both
             started = time.perf_counter()
             pair = [subprocess.Popen([sys.executable, "-c", code.format(module=module)], stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}) for _ in range(2)]
             imports = [float(proc.communicate()[0]) for proc in pair]
-            walls.append({"process_wall_s": time.perf_counter() - started, "import_s": max(imports)})
-        results[module] = {key: round(statistics.median(w[key] for w in walls), 3) for key in ("process_wall_s", "import_s")}
-    return results
+            walls[module].append({"process_wall_s": time.perf_counter() - started, "import_s": max(imports)})
+    return {module: {key: round(statistics.median(w[key] for w in walls[module]), 3) for key in ("process_wall_s", "import_s")}
+            for module in modules}
 
 
 def summarise(results: list[dict]) -> dict:
@@ -279,7 +277,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
-    parser.add_argument("--import-repeats", type=int, default=3)
+    parser.add_argument("--import-repeats", type=int, default=6)
     parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "recovery.json")
     args = parser.parse_args()
     jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]

@@ -43,6 +43,7 @@ from .snapshot import (
     load_model_weights,
     load_object,
     restore_rng,
+    save_object,
     seed_rng,
     writer_for,
 )
@@ -395,7 +396,7 @@ class Snapshotter:
                 started: float) -> tuple:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
-            torch.save(state, fileobj)
+            save_object(state, fileobj)  # torch.save without the zip CRC-32: the store checksums every byte
 
         writers = {MODEL_OBJECT: writer_for(model_state), STATE_OBJECT: write_state}
         if self._lease is not None and self._lease.lost is not None:
