@@ -7,11 +7,13 @@ to the millisecond). ``account`` splits the wall time (launch to the agent's exi
 - ``startup_s``: launch to the first step's forward (process start, imports, rendezvous, set-up);
 - ``restart_s``: every kill to the first step of the next attempt that trains;
 - ``redone_s``: steps trained again after a restart (their intervals, and the step a kill cut short);
-- ``snapshot_s``: training blocked by snapshots, inside the intervals of steps that count
-  (elastictrain: the SNAPSHOT and LOCAL_SNAPSHOT states, from its transition lines; textbook:
-  ``torch.save``'s duration);
-- ``slower_steps_s``: what the counted steps took beyond the reference step time, snapshots apart
-  (elastictrain's per-step work, a background write competing for the cores, load);
+- ``snapshot_s``: training blocked by snapshots taken after steps that count (elastictrain: the
+  SNAPSHOT and LOCAL_SNAPSHOT states, from its transition lines; textbook: ``torch.save``'s
+  duration);
+- ``after_snapshot_s``: what the counted steps from a snapshot to 4 steps after it took beyond
+  the median of the others, blocking apart (a background write competing for the two cores);
+- ``slower_steps_s``: what the counted steps took beyond the reference step time, the two above
+  apart (elastictrain's per-step work, and the load moving between the job and its references);
 - ``finish_s``: the last step's forward to the agent's exit, less one reference step
   (the final snapshot, process-group teardown, interpreter exit); a kill that lands after the
   last step restarts the group all the same, and from that kill on the time is ``restart_s``;
@@ -42,6 +44,7 @@ AGENT_FAILURE = re.compile(r"^[EW]\d{4} (\d\d):(\d\d):(\d\d)\.(\d{6}) \d+ \S+\] 
 FAST_RESTORE = re.compile(r"^restored step (\d+) from the node-local tier")
 DURABLE_RESTORE = re.compile(r"^restored snapshot (\S+): step (\d+)")
 SNAPSHOT_STATES = ("SNAPSHOT", "LOCAL_SNAPSHOT")
+AFTER_SNAPSHOT_STEPS = 5  # steps from a snapshot on (it included) whose extra time is charged to it
 
 
 @dataclass
@@ -160,6 +163,8 @@ def account(timeline: Timeline, kills: list[Kill], launch_unix: float, exit_unix
     last_attempt_of_step = {step: attempt.restart for attempt in stepping for step, _ in attempt.steps}
     counted_s = redone_s = snapshot_s = 0.0
     counted_intervals = redone_steps = 0
+    near_snapshot: list[tuple[float, float]] = []  # (interval, blocking in it) of counted steps just after a snapshot
+    far_from_snapshot: list[float] = []
     for attempt in stepping:
         stamped = {step for step, _ in attempt.steps}
         blocked = dict(attempt.snapshots)
@@ -167,10 +172,20 @@ def account(timeline: Timeline, kills: list[Kill], launch_unix: float, exit_unix
             if last_attempt_of_step[step] == attempt.restart:
                 counted_s += seconds
                 counted_intervals += 1
-                snapshot_s += blocked.get(step, 0.0) if step + 1 in stamped else 0.0
+                blocking = blocked.get(step, 0.0)
+                snapshot_s += blocking
+                since = step - max((taken for taken in blocked if taken <= step), default=-AFTER_SNAPSHOT_STEPS)
+                if since < AFTER_SNAPSHOT_STEPS:
+                    near_snapshot.append((seconds, blocking))
+                else:
+                    far_from_snapshot.append(seconds)
             else:
                 redone_s += seconds
         redone_steps += sum(last_attempt_of_step[step] != attempt.restart for step in stamped)
+    # What the steps around a snapshot took beyond the others, blocking apart: a background write
+    # competing for the cores, staging's after-effects (the textbook: a new epoch's iterator).
+    baseline_s = statistics.median(far_from_snapshot) if far_from_snapshot else reference_step_s
+    after_snapshot_s = sum(seconds - blocking - baseline_s for seconds, blocking in near_snapshot)
 
     first = stepping[0]
     startup = _phases(launch_unix, first, None)
@@ -199,13 +214,14 @@ def account(timeline: Timeline, kills: list[Kill], launch_unix: float, exit_unix
               "total_s": round(finished_at - last_forward, 3),
               "kills_after_last_step": len(late_kills), "late_kill_to_exit_s": round(exit_unix - finished_at, 3)}
     finish_s = finished_at - last_forward
-    slower_steps_s = counted_s - snapshot_s - counted_intervals * reference_step_s
+    slower_steps_s = counted_s - snapshot_s - after_snapshot_s - counted_intervals * reference_step_s
     wall_s = exit_unix - launch_unix
     parts = {
         "startup_s": startup["total_s"],
         "restart_s": restart_s,
         "redone_s": redone_s + partial_s,
         "snapshot_s": snapshot_s,
+        "after_snapshot_s": after_snapshot_s,
         "slower_steps_s": slower_steps_s,
         "finish_s": finish_s - reference_step_s,
     }

@@ -8,11 +8,12 @@ is merged into its config, which is how the benchmark turns on the fast tier and
 
 Both print lines the harness parses, each ``goodput-bench a<restart> r<rank> <event> <unix time>``
 with an optional ``step=<n>``: ``exec`` (when the process was created, read from /proc, so the
-interpreter's own start counts), ``imported``, ``pg`` (textbook: process group up; elastictrain logs its own line), ``group``
-(set-up done: process group and DDP ready),
-``restored`` (the step training resumes from; 0 when fresh), ``step`` (rank 0, at the forward of
-every optimizer step, numbered from 1), ``saved`` (textbook: a checkpoint written, with its
-duration), ``done``. elastictrain's own log lines (millisecond timestamps) come on stderr.
+interpreter's own start counts), ``imported``, ``pg`` (textbook only: process group up;
+elastictrain logs a line of its own), ``group`` (set-up done: process group, model, DDP and
+optimizer ready), ``restored`` (the step training resumes from; 0 when fresh), ``step`` (rank 0,
+at the forward of every optimizer step, numbered from 1), ``saved`` (textbook: a checkpoint
+written, with its duration), ``goodput`` (elastictrain, rank 0: its own counters at the end),
+``done``. elastictrain's own log lines (millisecond timestamps) come on stderr.
 """
 
 from __future__ import annotations

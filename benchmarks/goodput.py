@@ -295,15 +295,16 @@ def format_tables(results: list[dict]) -> str:
             f"| {cell(r['reference_step_ms'])} / {cell(r.get('counted_step_median_ms'))} "
             f"| {cell(counter, 3)} | {r['load_at_start'][0]:.1f} / {r['load_at_end'][0]:.1f} |")
     lines += ["", "Where the wall time went, seconds (steps x reference step time + these = wall):", "",
-              "| job | steps x ref | start-up | restarts | re-done steps | snapshots blocking | slower steps | finish | other |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| job | steps x ref | start-up | restarts | re-done steps | snapshots blocking | after snapshots "
+              "| slower steps | finish | other |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "parts" not in r:
             continue
         p = r["parts"]
         ideal = r["final_step"] * r["reference_step_ms"] / 1e3
         lines.append(f"| {label(r)} | {ideal:.1f} | {p['startup_s']:.1f} | {p['restart_s']:.1f} | {p['redone_s']:.1f} "
-                     f"| {p['snapshot_s']:.1f} | {p['slower_steps_s']:.1f} | {p['finish_s']:.1f} | {p['unattributed_s']:.1f} |")
+                     f"| {p['snapshot_s']:.1f} | {p['after_snapshot_s']:.1f} | {p['slower_steps_s']:.1f} | {p['finish_s']:.1f} | {p['unattributed_s']:.1f} |")
     lines += ["", "Each restart, medians in seconds, from the kill to the first step of the next attempt that trains:", "",
               "| job | restarts | kill -> agent's failed line | -> new workers exec | -> imported (slowest rank) | -> process group up "
               "| -> set-up done | -> restored | -> first step | total | attempts that never trained | restored from |",
