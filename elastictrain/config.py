@@ -63,6 +63,10 @@ class TrainConfig(_Section):
     # schedule stay; keep_rank_batch keeps batch_size and grad_accum_steps, so the global batch follows.
     on_world_size_change: Literal["keep_global_batch", "keep_rank_batch"] = "keep_global_batch"
     scale_lr: bool = False  # keep_rank_batch only: scale the LR by new / old global batch (the linear rule)
+    # The bitwise-elastic mode: 0 off. N: the global batch is N virtual shards of batch_size samples at
+    # any world size (which must divide N), each with its own RNG stream, their gradients summed in one
+    # fixed order, so a run that shrinks and grows ends bitwise equal to an unbroken one.
+    virtual_shards: NonNegativeInt = 0
 
 
 class DataConfig(_Section):
@@ -183,6 +187,17 @@ class Config(_Section):
             raise ValueError(
                 "train.scale_lr=true does nothing with train.on_world_size_change=keep_global_batch (the global batch "
                 "never changes); set train.on_world_size_change=keep_rank_batch, or train.scale_lr=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _virtual_shards_fix_the_batch(self) -> "Config":
+        train = self.train
+        if train.virtual_shards and (train.grad_accum_steps != 1 or train.on_world_size_change != "keep_global_batch"):
+            raise ValueError(
+                f"train.virtual_shards={train.virtual_shards} fixes the global batch at virtual_shards x batch_size "
+                f"samples and derives each rank's accumulation from the world size; set train.grad_accum_steps=1 and "
+                "train.on_world_size_change=keep_global_batch (the defaults), or train.virtual_shards=0"
             )
         return self
 

@@ -58,7 +58,12 @@ class Fit:
 
 
 def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, saved_world_size: int | None) -> Fit:
-    """The accumulation and global batch at ``world_size`` (pure: no state is touched)."""
+    """The accumulation and global batch at ``world_size`` (pure: no state is touched).
+
+    A fresh start passes an empty ``BatchGeometry()`` and gets the configured geometry.
+    """
+    if train.virtual_shards:
+        return _fit_virtual_shards(train, world_size, saved, saved_world_size)
     per_rank_step = train.batch_size * world_size
     configured = Fit(train.grad_accum_steps, per_rank_step * train.grad_accum_steps)
     if saved.global_batch is None or saved.configured != (train.batch_size, train.grad_accum_steps):
@@ -88,6 +93,38 @@ def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, save
                f"{change}: global batch of {saved.global_batch} samples per step kept "
                f"(train.on_world_size_change=keep_global_batch): gradient accumulation {saved.grad_accum_steps} -> {accum} "
                f"micro-batches of train.batch_size {train.batch_size} per rank")
+
+
+def _fit_virtual_shards(train: TrainConfig, world_size: int, saved: BatchGeometry, saved_world_size: int | None) -> Fit:
+    """The bitwise-elastic mode: always ``virtual_shards x batch_size`` samples, an equal count of shards per rank."""
+    shards = train.virtual_shards
+    if shards % world_size:
+        raise ConfigError(
+            f"world size {world_size}: train.virtual_shards={shards} cannot be split evenly over {world_size} ranks "
+            f"(the bitwise-elastic mode gives every rank the same number of shards); world sizes that can: "
+            f"{_divisors(shards)} (set --nnodes and --nproc-per-node to stay among them), or set train.virtual_shards "
+            "to a multiple of every world size the job may have"
+        )
+    fit = Fit(shards // world_size, shards * train.batch_size)
+    if saved.global_batch is None or saved_world_size in (None, world_size):
+        return fit
+    return Fit(fit.grad_accum_steps, fit.global_batch, 1.0,
+               f"world size {saved_world_size} -> {world_size}: {shards} virtual shards of train.batch_size "
+               f"{train.batch_size} kept (train.virtual_shards), {fit.grad_accum_steps} per rank; the numbers stay bitwise")
+
+
+def planned_steps(num_samples: int, global_batch: int, max_epochs: int, max_steps: int | None,
+                  global_step: int = 0, epoch: int = 0, epoch_offset: int = 0) -> int:
+    """Optimizer steps of the whole run: those done, plus those left at ``global_batch`` samples a step.
+
+    The position (``global_step``, ``epoch``, ``epoch_offset`` in global samples) is where the run
+    stands; with the global batch it started with, the answer is the plan of its first start.
+    """
+    left = 0
+    if epoch < max_epochs:
+        left = (num_samples - epoch_offset) // global_batch + (max_epochs - epoch - 1) * (num_samples // global_batch)
+    total = global_step + max(left, 0)
+    return min(total, max_steps) if max_steps else total
 
 
 def apply_fit(fit: Fit, geometry: BatchGeometry, rank: int, world_size: int, train: TrainConfig,

@@ -39,8 +39,9 @@ from .data import (
 )
 from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
 from .events import Observer, Observers, RunInfo, SnapshotReport, TrainInterval
-from .geometry import BatchGeometry, apply_fit, fit_to_world
+from .geometry import BatchGeometry, apply_fit, fit_to_world, planned_steps
 from .goodput import Goodput
+from .gradsync import make_gradient_sync
 from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
 from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, requeue_slurm_job
@@ -48,7 +49,7 @@ from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
 from .snapshotter import Snapshotter
 from .states import State, StateMachine
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
-from .task import Task, load_task, split_loss
+from .task import PendingScheduler, Task, load_task, split_loss
 from .vote import Requests, StepVote
 from .watchdog import Watchdog, WatchdogSettings
 
@@ -195,19 +196,28 @@ class Trainer:
 
     @property
     def total_steps(self) -> int:
-        """Optimizer steps of the whole run at this launch's world size (batch, accumulation, epochs, max_steps)."""
-        world_size = self.ctx.world_size if getattr(self, "ctx", None) is not None else dist.planned_world_size(self.cfg.dist)
+        """Optimizer steps of the whole run: those done plus those left at its global batch (batch, world size,
+        accumulation, epochs, max_steps). After a world-size change the global batch is the one the policy kept."""
+        return self._total_steps(self.batch_geometry.global_batch)
+
+    def _total_steps(self, global_batch: int | None) -> int:
         train = self.cfg.train
         if is_stream(self.task.train_data):
             return train.max_steps  # a stream has no length; check_stream makes max_steps required
-        shard = Shard(0, world_size, train.batch_size, train.grad_accum_steps)
-        total = steps_in_epoch(len(self.task.train_data), shard) * train.max_epochs
-        return min(total, train.max_steps) if train.max_steps else total
+        if global_batch is None:  # before the first restore: the plan of a fresh start at this world size
+            world_size = self.ctx.world_size if getattr(self, "ctx", None) is not None else dist.planned_world_size(self.cfg.dist)
+            global_batch = fit_to_world(train, world_size, BatchGeometry(), None).global_batch
+        p = self.progress
+        return planned_steps(len(self.task.train_data), global_batch, train.max_epochs, train.max_steps,
+                             p.global_step, p.epoch, p.epoch_offset)
 
     @property
     def scheduler_steps(self) -> int:
         """How often ``lr_scheduler.step()`` is called in the run: per step, or per epoch (``train.lr_scheduler_interval``)."""
-        return self.total_steps if self.cfg.train.lr_scheduler_interval == "step" else self.cfg.train.max_epochs
+        return self._scheduler_steps(self.batch_geometry.global_batch)
+
+    def _scheduler_steps(self, global_batch: int | None) -> int:
+        return self._total_steps(global_batch) if self.cfg.train.lr_scheduler_interval == "step" else self.cfg.train.max_epochs
 
     def on(self, src: State | None = None, dst: State | None = None) -> Callable:
         """Decorator: run ``hook(src, dst, step)`` on a transition (None matches any state)."""
@@ -279,10 +289,17 @@ class Trainer:
         self.machine.log_transitions = self.ctx.is_main
         self._attach_observers()
         train = self.cfg.train
-        self.shard = Shard(self.ctx.rank, self.ctx.world_size, train.batch_size, train.grad_accum_steps)
+        planned = fit_to_world(train, self.ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry
+        self.shard = Shard(self.ctx.rank, self.ctx.world_size, train.batch_size, planned.grad_accum_steps)
         self.stream = is_stream(self.task.train_data)
         if self.stream:
             check_stream(self.task.train_data, self.cfg.data.num_workers, train.max_steps)
+            if train.virtual_shards:
+                raise ConfigError(
+                    f"train.virtual_shards needs a map-style Dataset: a stream ({type(self.task.train_data).__name__}) is "
+                    "read in per-rank shares that cannot be cut into the same virtual shards at another world size; "
+                    "set train.virtual_shards=0"
+                )
         elif steps_in_epoch(len(self.task.train_data), self.shard) == 0:
             raise ConfigError(
                 f"the training set has {len(self.task.train_data)} samples, fewer than one optimizer step takes "
@@ -294,12 +311,11 @@ class Trainer:
                 f"snapshot.retry_for_s={self.cfg.snapshot.retry_for_s:g} must be below dist.collective_timeout_s="
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
-        self.model = dist.wrap_model(self.task.model, self.ctx, self.cfg.dist)
         self.sync_timer = GradientSyncTimer()  # each rank's wait in the gradient all-reduce: stragglers
-        if self.cfg.stragglers.factor > 0:
-            self.sync_timer.register(self.model)  # a no-op without DDP
+        self.model, self.grad_sync = make_gradient_sync(self.task.model, self.ctx, self.cfg, self.sync_timer)
         if _is_scheduler_factory(self.task.lr_scheduler):
-            self.task.lr_scheduler = self.task.lr_scheduler(self.task.optimizer, self.scheduler_steps)
+            # Called in RESTORE, once the snapshot has said which global batch the run goes on with.
+            self.task.lr_scheduler = PendingScheduler(self.task.lr_scheduler)
         self.scaler = self.task.grad_scaler
         if self.scaler is None and train.autocast_dtype == "float16":
             self.scaler = torch.amp.GradScaler(self.ctx.device.type)
@@ -338,6 +354,9 @@ class Trainer:
             log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)
         # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
         fit = fit_to_world(self.cfg.train, self.ctx.world_size, self.batch_geometry, restored and restored.saved_world_size)
+        if isinstance(self.task.lr_scheduler, PendingScheduler):
+            scheduler = self.task.lr_scheduler.build(self.task.optimizer, self._scheduler_steps(fit.global_batch))
+            self.task.lr_scheduler = self.snapshots.statefuls["lr_scheduler"] = scheduler
         self.shard = apply_fit(fit, self.batch_geometry, self.ctx.rank, self.ctx.world_size, self.cfg.train,
                                self.task.optimizer, self.task.lr_scheduler)
         self.run_log.begin(
@@ -545,18 +564,17 @@ class Trainer:
         return None if ended else batches
 
     def _train_step(self, batches: list[Any]) -> None:
-        accum = self.shard.grad_accum_steps
+        accum, sync = self.shard.grad_accum_steps, self.grad_sync
         optimizer, scaler = self.task.optimizer, self.scaler
         for micro, batch in enumerate(batches):
             batch = to_device(batch, self.ctx.device)
-            with dist.no_sync(self.model, skip_sync=micro < accum - 1):
+            with sync.micro_batch(micro, accum, self.progress.global_step):
                 with self._autocast():
                     loss, metrics = split_loss(self.task.loss_fn(self.model, batch))
-                scaled = loss / accum
+                scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            if micro == accum - 1:
-                self.sync_timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
             self._train_sums.add(batch_size_of(batch), {"loss": loss, **metrics})
+        sync.finish(accum)  # every rank holds the step's gradients
         if self.cfg.train.clip_grad_norm is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)

@@ -60,7 +60,7 @@ TORCHRUN_DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: sha
 # Config keys whose change makes a resume wrong: another data order, other data, another model
 # or another batch geometry inside one run. Any other change is logged in one line and applied.
 RESUME_CRITICAL_KEYS = ("run.seed", "task.factory", "task.args", "train.batch_size", "train.grad_accum_steps", "data.shuffle",
-                        "train_data.len")
+                        "train.virtual_shards", "train_data.len")
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,11 @@ class Snapshotter:
             component.load_state_dict(state["rank_states"][name][self.ctx.rank])
         if saved_env["world_size"] == self.ctx.world_size:
             restore_rng(state["rng"][self.ctx.rank], self.ctx.device)
+        elif self.cfg.train.virtual_shards:
+            log.info("%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of "
+                     "epoch %d; each virtual shard seeds its own RNG stream (train.virtual_shards), so the numbers "
+                     "stay bitwise those of an unbroken run", where, saved_env["world_size"], self.ctx.world_size,
+                     progress.epoch_offset, progress.epoch)
         else:
             # The data position re-shards exactly; per-rank random streams cannot, so they are
             # re-seeded from the step (the same on every restart with this world size).

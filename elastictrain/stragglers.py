@@ -140,6 +140,11 @@ class GradientSyncTimer:
         self._steps += 1
         self._last_ready = None
 
+    def waited(self, seconds: float) -> None:
+        """One step's wait measured by the caller (the virtual shards' all_gather)."""
+        self._waited_s += seconds
+        self._steps += 1
+
     def take(self) -> float:
         """Mean seconds per step this rank waited for the gradient all-reduce since the last take."""
         waited, steps = self._waited_s, self._steps

@@ -33,6 +33,35 @@ class Task:
     collate_fn: Callable | None = None
 
 
+class PendingScheduler:
+    """Stands in for an LR scheduler that a factory builds once the run's step count is known.
+
+    The step count depends on the global batch, which a restart at another world size reads from
+    the snapshot: so the snapshot is loaded first (this keeps its scheduler state), then ``build``
+    calls the factory and hands the scheduler that state.
+    """
+
+    def __init__(self, factory: Callable[[torch.optim.Optimizer, int], Any]) -> None:
+        self.factory = factory
+        self.saved: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the LR scheduler factory was never called: build() comes before the first snapshot")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.saved = state_dict
+
+    def build(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        restored_lrs = [group["lr"] for group in optimizer.param_groups]
+        scheduler = self.factory(optimizer, total_steps)
+        if self.saved is not None:
+            scheduler.load_state_dict(self.saved)
+            # A new scheduler sets the LR of its first step; the restored optimizer's is the one to go on with.
+            for group, lr in zip(optimizer.param_groups, restored_lrs):
+                group["lr"] = lr
+        return scheduler
+
+
 LOSS_FN_RULE = 'loss_fn must return a scalar loss tensor, or (loss, {"name": scalar})'
 
 

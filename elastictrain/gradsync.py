@@ -1,0 +1,161 @@
+"""How the micro-batches of one optimizer step become the same gradients on every rank.
+
+The loop runs each micro-batch's forward and backward inside ``sync.micro_batch(index, count,
+step)``, calls ``backward()`` on ``sync.scale(loss)``, and ``sync.finish(count)`` after the last one.
+Two ways to do it:
+
+- ``DDPAccumulation`` (the default): the model is wrapped in DDP; micro-batches but the last run
+  under ``no_sync`` and accumulate into ``.grad``; the last backward's all-reduce averages over
+  ranks. Fast, and bitwise on resume at an equal world size. At another world size the same
+  samples are summed in another order (each rank's accumulation, then the ring all-reduce), and
+  floating-point addition is not associative: the bits change.
+- ``VirtualShards`` (``train.virtual_shards=N``, the bitwise-elastic mode): the global batch is N
+  virtual shards of ``train.batch_size`` samples whatever the world size, and rank ``r`` of ``W``
+  computes shards ``r, r + W, r + 2W, ...`` (the sampler's micro-batches). Each shard's forward
+  starts from an RNG seeded by (run seed, step, shard), its gradient is kept apart, and after the
+  last micro-batch every rank gathers all N shard gradients and sums them in shard order, then
+  divides by N. Every number then depends on the shard, never on the rank or the world size, so a
+  run that shrinks and grows ends bitwise equal to an unbroken one (same machine type and
+  intra-op thread count). The price: an all_gather of N gradients instead of an all-reduce of one,
+  and no DDP overlap of communication with backward (``benchmarks/step_overhead.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from . import dist
+from .config import Config
+from .errors import ConfigError
+from .snapshot import seed_rng
+from .stragglers import GradientSyncTimer
+
+
+class DDPAccumulation:
+    """DDP's all-reduce at the last micro-batch; the loss of each is divided by their number."""
+
+    def __init__(self, model: nn.Module, timer: GradientSyncTimer) -> None:
+        self.model = model
+        self.timer = timer
+
+    @contextmanager
+    def micro_batch(self, index: int, count: int, step: int) -> Iterator[None]:
+        last = index == count - 1
+        with dist.no_sync(self.model, skip_sync=not last):
+            yield
+        if last:
+            self.timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
+
+    def scale(self, loss: torch.Tensor, count: int) -> torch.Tensor:
+        return loss / count
+
+    def finish(self, count: int) -> None:
+        pass
+
+
+class VirtualShards:
+    """Per-shard RNG and gradients, summed over all shards in one fixed order on every rank."""
+
+    def __init__(self, model: nn.Module, ctx: dist.DistContext, shards: int, seed: int, timer: GradientSyncTimer) -> None:
+        self.ctx = ctx
+        self.shards = shards
+        self.seed = seed
+        self.timer = timer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self._rows: torch.Tensor | None = None  # [shards on this rank, numel]: each shard's gradient, flat
+        if ctx.distributed:
+            # What DDP's constructor does: every rank starts from rank 0's weights and buffers.
+            for tensor in [*model.parameters(), *model.buffers()]:
+                torch_dist.broadcast(tensor.data, src=0)
+
+    @contextmanager
+    def micro_batch(self, index: int, count: int, step: int) -> Iterator[None]:
+        shard = index * self.ctx.world_size + self.ctx.rank  # the sampler's layout: see data.ShardedBatchSampler
+        seed_rng(shard_seed(self.seed, step, shard))
+        yield
+        row = self._rows_for(count)[index]
+        offset = 0
+        for param in self.params:
+            size = param.numel()
+            if param.grad is None:
+                row[offset:offset + size].zero_()
+            else:
+                row[offset:offset + size].copy_(param.grad.reshape(-1))
+                param.grad = None
+            offset += size
+
+    def scale(self, loss: torch.Tensor, count: int) -> torch.Tensor:
+        return loss  # each shard's gradient is of its own mean loss; finish() divides the sum by the shards
+
+    def finish(self, count: int) -> None:
+        rows = self._rows_for(count)
+        world = self.ctx.world_size
+        if world > 1:
+            gathered = [torch.empty_like(rows) for _ in range(world)]
+            started = time.perf_counter()
+            torch_dist.all_gather(gathered, rows)
+            self.timer.waited(time.perf_counter() - started)
+        else:
+            gathered = [rows]
+        total = world * count
+        summed = gathered[0][0].clone()
+        for shard in range(1, total):  # shard v lives on rank v % W, as its (v // W)-th micro-batch
+            summed += gathered[shard % world][shard // world]
+        summed.div_(total)
+        offset = 0
+        for param in self.params:
+            size = param.numel()
+            param.grad = summed[offset:offset + size].view_as(param)
+            offset += size
+
+    def _rows_for(self, count: int) -> torch.Tensor:
+        if self._rows is None or self._rows.shape[0] != count:
+            self._rows = torch.empty(count, self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        return self._rows
+
+
+def shard_seed(seed: int, step: int, shard: int) -> int:
+    """The RNG seed of one virtual shard's forward in one step: the same whichever rank computes it."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + shard * 0x94D049BB133111EB) % 2**64
+    return mixed >> 1  # torch.manual_seed takes up to 2**63
+
+
+def make_gradient_sync(model: nn.Module, ctx: dist.DistContext, cfg: Config,
+                       timer: GradientSyncTimer) -> tuple[nn.Module, DDPAccumulation | VirtualShards]:
+    """The model the loop trains (DDP-wrapped or not) and the gradient sync that goes with it."""
+    shards = cfg.train.virtual_shards
+    if not shards:
+        wrapped = dist.wrap_model(model, ctx, cfg.dist)
+        if cfg.stragglers.factor > 0:
+            timer.register(wrapped)  # a no-op without DDP
+        return wrapped, DDPAccumulation(wrapped, timer)
+    check_virtual_shards(model)
+    model.to(ctx.device)
+    return model, VirtualShards(model, ctx, shards, cfg.run.seed, timer)
+
+
+def check_virtual_shards(model: nn.Module) -> None:
+    """One line for a model whose numbers would depend on how the batch is split."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("train.virtual_shards is set but the model has no trainable parameters")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    if len(dtypes) > 1:
+        raise ConfigError(
+            f"train.virtual_shards needs the trainable parameters in one dtype, the model has {', '.join(dtypes)}; "
+            "cast the model to one dtype (autocast still works), or set train.virtual_shards=0"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            raise ConfigError(
+                f"train.virtual_shards cannot keep {type(module).__name__} {name!r} bitwise: its running statistics "
+                "are updated by every shard's forward on the rank that computes it, so they depend on the world size; "
+                "use GroupNorm or LayerNorm, track_running_stats=False, or set train.virtual_shards=0"
+            )

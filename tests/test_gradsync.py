@@ -1,0 +1,121 @@
+"""The bitwise-elastic mode's gradient sync on real gloo ranks: the same step at one world size and at two.
+
+A small MLP with dropout trains three steps on a global batch of four virtual shards: in one
+process (all four shards local), and on two spawned gloo ranks (two shards each). With
+``VirtualShards`` the parameters end bitwise equal. With DDP's accumulation (the default mode) the
+same samples, without dropout, end in other bits: the sums run in another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from torch import nn
+
+from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.errors import ConfigError
+from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed
+from elastictrain.snapshot import params_sha256
+from elastictrain.stragglers import GradientSyncTimer
+
+SHARDS, SHARD_SAMPLES, STEPS = 4, 8, 3
+
+
+def _shard_batch(step: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + shard)
+    return torch.randn(SHARD_SAMPLES, 8, generator=generator), torch.randint(0, 3, (SHARD_SAMPLES,), generator=generator)
+
+
+def train(ctx: DistContext, mode: str, dropout: float) -> str:
+    """STEPS optimizer steps; rank r takes shards r, r + W, ... as its micro-batches (the sampler's layout)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 3))
+    timer = GradientSyncTimer()
+    if mode == "virtual":
+        sync = VirtualShards(model, ctx, SHARDS, seed=7, timer=timer)
+    else:
+        if ctx.distributed:
+            model = nn.parallel.DistributedDataParallel(model)
+        sync = DDPAccumulation(model, timer)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    count = SHARDS // ctx.world_size
+    for step in range(STEPS):
+        for index in range(count):
+            inputs, targets = _shard_batch(step, index * ctx.world_size + ctx.rank)
+            with sync.micro_batch(index, count, step):
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                sync.scale(loss, count).backward()
+        sync.finish(count)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return params_sha256(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
+
+
+def _rank(rank: int, port: int, mode: str, dropout: float, results) -> None:
+    torch.set_num_threads(1)
+    store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
+        results.put((rank, train(ctx, mode, dropout)))
+    finally:
+        tdist.destroy_process_group()
+
+
+def on_two_ranks(mode: str, dropout: float) -> str:
+    from tests.helpers.agents import free_port
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    workers = [context.Process(target=_rank, args=(rank, port, mode, dropout, results)) for rank in (0, 1)]
+    for worker in workers:
+        worker.start()
+    try:
+        shas = dict(results.get(timeout=60) for _ in workers)
+        for worker in workers:
+            worker.join(30)
+            assert worker.exitcode == 0
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    assert shas[0] == shas[1], "the ranks of one run disagree"
+    return shas[0]
+
+
+def in_one_process(mode: str, dropout: float) -> str:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each spawned rank
+    try:
+        return train(DistContext(LaunchEnv("none"), False, torch.device("cpu"), None, 60.0), mode, dropout)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_virtual_shards_end_bitwise_equal_at_one_and_two_ranks_with_dropout():
+    assert on_two_ranks("virtual", dropout=0.3) == in_one_process("virtual", dropout=0.3)
+
+
+def test_ddp_accumulation_sums_in_another_order_at_another_world_size():
+    """What the bitwise-elastic mode is for: without dropout, the same samples still end in other bits."""
+    assert on_two_ranks("ddp", dropout=0.0) != in_one_process("ddp", dropout=0.0)
+
+
+def test_a_shard_seed_depends_on_the_shard_and_the_step_only():
+    seeds = {shard_seed(0, step, shard) for step in range(50) for shard in range(16)}
+    assert len(seeds) == 800 and all(0 <= seed < 2**63 for seed in seeds)
+    assert shard_seed(0, 3, 1) == shard_seed(0, 3, 1) != shard_seed(1, 3, 1)
+
+
+@pytest.mark.parametrize("model, named", [
+    (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), "BatchNorm1d '1'"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64)), "float32, float64"),
+])
+def test_a_model_whose_numbers_depend_on_the_split_is_one_clear_line(model, named):
+    with pytest.raises(ConfigError, match=named):
+        check_virtual_shards(model)
+    check_virtual_shards(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)))
