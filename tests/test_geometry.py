@@ -7,7 +7,7 @@ import torch
 
 from elastictrain.config import TrainConfig
 from elastictrain.errors import ConfigError
-from elastictrain.geometry import BatchGeometry, Fit, fit_to_world, scale_learning_rate
+from elastictrain.geometry import BatchGeometry, Fit, fit_to_world, planned_steps, scale_learning_rate
 
 KEEP_GLOBAL = TrainConfig(batch_size=16)
 KEEP_RANK = TrainConfig(batch_size=16, on_world_size_change="keep_rank_batch")
@@ -80,3 +80,37 @@ def test_the_geometry_is_a_stateful():
     restored = BatchGeometry()
     restored.load_state_dict(saved(64, 2, (16, 1)).state_dict())
     assert restored == saved(64, 2, (16, 1))
+
+
+VIRTUAL = TrainConfig(batch_size=16, virtual_shards=4)
+
+
+@pytest.mark.parametrize("world, geometry, saved_world, expected", [
+    (4, BatchGeometry(), None, Fit(1, 64)),  # a fresh start: one shard per rank
+    (1, BatchGeometry(), None, Fit(4, 64)),  # ... or all four on one
+    (2, saved(64, 1, (16, 1)), 4, Fit(2, 64, 1.0, "world size 4 -> 2: 4 virtual shards of train.batch_size 16 kept "
+                                                  "(train.virtual_shards), 2 per rank; the numbers stay bitwise")),
+    (2, saved(64, 2, (16, 1)), 2, Fit(2, 64)),  # a restart at the same world says nothing
+], ids=["fresh-4", "fresh-1", "shrink", "same-world"])
+def test_virtual_shards_keep_the_shards_and_split_them_over_the_ranks(world, geometry, saved_world, expected):
+    assert fit_to_world(VIRTUAL, world, geometry, saved_world) == expected
+
+
+def test_virtual_shards_the_ranks_cannot_split_evenly_are_one_config_error():
+    with pytest.raises(ConfigError, match=r"world size 3: train.virtual_shards=4 cannot be split evenly over 3 ranks .*"
+                                          r"world sizes that can: 1, 2, 4"):
+        fit_to_world(VIRTUAL, 3, BatchGeometry(), None)
+
+
+@pytest.mark.parametrize("position, global_batch, expected", [
+    ((0, 0, 0), 32, 96),  # 1536 samples, 32 a step: 48 steps an epoch, 2 epochs
+    ((25, 0, 800), 32, 96),  # at step 25 with the global batch kept: the plan of the first start
+    ((60, 1, 384), 32, 96),
+    ((25, 0, 800), 16, 25 + 46 + 96),  # keep_rank_batch shrank the global batch at step 25: done + left
+    ((48, 1, 0), 64, 48 + 24),
+    ((96, 2, 0), 32, 96),  # finished
+], ids=["fresh", "kept-epoch0", "kept-epoch1", "rank-batch-halved", "rank-batch-doubled", "finished"])
+def test_planned_steps_are_those_done_plus_those_left_at_the_global_batch(position, global_batch, expected):
+    step, epoch, offset = position
+    assert planned_steps(1536, global_batch, 2, None, step, epoch, offset) == expected
+    assert planned_steps(1536, global_batch, 2, 50, step, epoch, offset) == min(expected, 50)

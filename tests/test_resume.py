@@ -112,12 +112,16 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
 
     Epoch 1 must still see every sample exactly once, in the epoch's global order.
     """
-    first = launch_job(tmp_path, "first", ["task.args.pause_rank=0", "task.args.pause_at_step=61"])
+    overrides = ["task.args.pause_rank=0", "task.args.pause_at_step=61", "task.args.lr_factory=true"]
+    first = launch_job(tmp_path, "first", overrides)
     procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
-    single = launch_job(tmp_path, "single", ["task.args.pause_rank=0", "task.args.pause_at_step=61"], single_process=True)
+    single = launch_job(tmp_path, "single", overrides, single_process=True)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     result = parse_job(single.output())
+    # An LR schedule built from the run's length gets the same length at one worker as at two: the global
+    # batch is kept, so the steps are too (not the 480 that 16 samples a step would make).
+    assert "lr factory: total_steps=240" in first.output() and "lr factory: total_steps=240" in result.output
     assert result.restored_steps == [50]
     assert "was taken with world size 2, this run has 1: data position re-sharded from sample 64 of epoch 1" in result.output
     # The global batch of 32 is kept (train.on_world_size_change's default): 2 micro-batches of 16.

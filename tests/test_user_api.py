@@ -21,11 +21,13 @@ def memory_url() -> str:
     return f"memory://elastictrain-api-tests/{uuid.uuid4().hex}"
 
 
-def trainer(url: str, task_args: dict = SMALL, lr_scheduler="task", **train) -> Trainer:
+def trainer(url: str, task_args: dict = SMALL, lr_scheduler="task", loss_fn=None, **train) -> Trainer:
     seed_everything(0)
     task = spirals.build(**task_args)
     if lr_scheduler != "task":
         task.lr_scheduler = lr_scheduler
+    if loss_fn is not None:
+        task.loss_fn = loss_fn
     return Trainer.from_task(task, {
         "snapshot": {"url": url, "every_steps": 10},
         "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5, **train},
@@ -45,6 +47,30 @@ def test_a_scheduler_factory_gets_the_runs_step_count_after_setup():
     run.fit()
     assert seen == [96]
     assert run.task.optimizer.param_groups[0]["lr"] < 1e-9, "the cosine ended at zero on the last step"
+
+
+def linear_decay(optimizer, total_steps):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+
+
+def test_a_run_with_a_scheduler_factory_resumes_bitwise():
+    """The factory is called again at the restart, after the restore: the schedule goes on where it was."""
+    unbroken = trainer(memory_url(), lr_scheduler=linear_decay).fit()
+    calls = 0
+
+    def fails_in_step_31(model, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 31:
+            raise RuntimeError("a bug in step 31")
+        return spirals.cross_entropy_with_accuracy(model, batch)
+
+    url = memory_url()
+    with pytest.raises(RuntimeError, match="a bug in step 31"):
+        trainer(url, lr_scheduler=linear_decay, loss_fn=fails_in_step_31).fit()
+    resumed = trainer(url, lr_scheduler=linear_decay)
+    assert resumed.fit().params_sha256 == unbroken.params_sha256
+    assert resumed.run_log.attempts[-1]["start_step"] == 30 and resumed.task.optimizer.param_groups[0]["lr"] == 0.0
 
 
 def test_a_scheduler_factory_stepped_per_epoch_gets_the_epoch_count():

@@ -42,7 +42,7 @@ class IndexedDataset(Dataset):
 
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
-          slow_step_s: float = 0.0, pauses: list[list[int]] = (), **spiral_args) -> Task:
+          slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False, **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
@@ -77,6 +77,12 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
         return spirals.cross_entropy_with_accuracy(model, batch)
 
     trace_path.touch()
+    if lr_factory:  # a schedule that must know the run's length: linear decay to zero at the last step
+        def linear_decay(optimizer, total_steps):
+            print(f"lr factory: total_steps={total_steps}", flush=True)
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+
+        task.lr_scheduler = linear_decay
     task.train_data = IndexedDataset(task.train_data)
     task.val_data = IndexedDataset(task.val_data)
     task.loss_fn = traced_loss
