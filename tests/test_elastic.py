@@ -25,7 +25,7 @@ import pytest
 from elastictrain.data import epoch_order
 from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
-from tests.conftest import parse_job, JobResult
+from tests.conftest import JobResult, job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.etcd import EtcdServer
@@ -66,11 +66,11 @@ class ElasticRun:
 
 
 def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictrain-c10d",
-                        endpoint: str | None = None) -> ElasticRun:
+                        endpoint: str | None = None, extra: list[str] = ()) -> ElasticRun:
     """Node ``lost`` dies in step KILL_STEP and is back at GROW_STEP; the job runs to the end."""
     trace_dir = workdir / "trace"
     trace_dir.mkdir(parents=True)
-    overrides = [*JOB, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
+    overrides = [*JOB, *extra, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
                  f"task.args.pauses=[[{lost},{KILL_STEP}],[0,{GROW_CALL}]]"]  # node i holds rank i
     nodes = NodeGroup(workdir, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
                       env={**ENV, "RDZV_BACKEND": backend}, **({"endpoint": endpoint} if endpoint else {}))
@@ -148,17 +148,31 @@ def test_every_step_across_the_shrink_and_the_grow_trains_the_samples_of_one_cle
             assert step == sorted(order[index * 32:(index + 1) * 32]), f"step {epoch * STEPS_PER_EPOCH + index}"
 
 
-def test_on_etcd_the_node_of_rank_0_may_be_lost_and_the_same_changes_end_with_the_same_parameters(elastic_run, tmp_path):
+def test_on_etcd_the_node_of_rank_0_may_be_lost_and_the_bitwise_mode_ends_equal_to_an_unbroken_run(tmp_path):
     """Node 0 holds rank 0 and hosts the workers' store: with c10d it also holds the rendezvous and cannot
-    go (pytorch#150916), on etcd node 1 carries on alone and hosts the store itself. The world sizes change
-    at the same steps as in the c10d run, so the run ends with the same parameters."""
+    go (pytorch#150916), on etcd node 1 carries on alone and hosts the store itself.
+
+    This run is in the bitwise-elastic mode (two virtual shards of 16): across the shrink to one rank
+    and the grow back it ends with the very parameters of an unbroken two-worker run.
+    """
+    bitwise = ["train.virtual_shards=2"]
+    unbroken_dir = tmp_path / "unbroken"
+    (unbroken_dir / "trace").mkdir(parents=True)
+    unbroken = procs.launch(
+        torchrun_command([*JOB, *bitwise, f"run.dir={unbroken_dir / 'run'}", f"task.args.trace_dir={unbroken_dir / 'trace'}"]),
+        log_path=unbroken_dir / "job.log", env={**job_env(), **ENV}, cwd=unbroken_dir)
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
     etcd = EtcdServer(tmp_path)
     try:
-        again = run_shrink_and_grow(tmp_path, lost=0, backend="elastictrain-etcd-v2", endpoint=etcd.endpoint)
+        again = run_shrink_and_grow(tmp_path / "elastic", lost=0, backend="elastictrain-etcd-v2", endpoint=etcd.endpoint,
+                                    extra=bitwise)
     finally:
         etcd.stop()
-    assert attempts(again.workdir) == attempts(elastic_run.workdir) == [(2, 0), (1, SNAPSHOT_EVERY), (2, GROW_STEP)]
-    assert again.result.summary["params_sha256"] == elastic_run.result.summary["params_sha256"]
+    assert attempts(again.workdir) == [(2, 0), (1, SNAPSHOT_EVERY), (2, GROW_STEP)]
+    output = again.result.output
+    assert "world size 2 -> 1: 2 virtual shards of train.batch_size 16 kept (train.virtual_shards), 2 per rank" in output
+    assert "world size 1 -> 2: 2 virtual shards of train.batch_size 16 kept (train.virtual_shards), 1 per rank" in output
+    assert again.result.summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
 
 
 def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_the_relaunch_restores_the_other_nodes_memory(tmp_path):
