@@ -72,13 +72,15 @@ def main() -> None:
     else:
         from elastictrain import Trainer
 
-        trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config={
+        config = {
             "run": {"dir": args.run_dir},
             "train": {"max_epochs": 1, "batch_size": args.batch_size, "log_every_steps": 50},
             "snapshot": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0},
             "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
-            **json.loads(os.environ.get("OVERHEAD_CONFIG", "{}")),
-        })
+        }
+        for section, values in json.loads(os.environ.get("OVERHEAD_CONFIG", "{}")).items():
+            config[section] = {**config.get(section, {}), **values}
+        trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config)
         trainer.fit()
         rank = trainer.ctx.rank
     if rank == 0:
