@@ -9,8 +9,9 @@ Every rank keeps its own ``Goodput`` (the events are the same on every rank); ra
 one exported. The counters travel in the snapshot (``state_dict``), so they are monotonic over
 the whole run: a restored attempt continues from the saved totals. Seconds an attempt spent
 after its last snapshot are lost from the counters when it is killed; the steps it reached are
-not, because rank 0 records its highest step in the launcher's store (``RunInfo.store``), and
-the next attempt counts re-training up to that step as ``recompute``.
+not, because rank 0 records its highest step in the launcher's store (``RunInfo.store``) at most
+every ``HIGH_WATER_EVERY_S`` (the loop calls ``stepped`` after each optimizer step) and at each
+log interval, and the next attempt counts re-training up to that step as ``recompute``.
 
 The first attempt's own start-up (process start to the first state) is not counted anywhere:
 it is the cost of launching a job at all, not of a fault.
@@ -28,6 +29,9 @@ from .states import TERMINAL, State
 
 CAUSES = ("productive", "snapshot", "restore", "recompute", "evaluate", "restart")
 HIGH_WATER_KEY = "high_water_step"  # in RunInfo.store: the highest global step any attempt trained to
+# Rank 0 writes its step to the store at most this often: one small set() a second, and a killed
+# attempt's last steps before it (at most this long of training) are counted as productive.
+HIGH_WATER_EVERY_S = 1.0
 
 # Seconds spent in a state go to one cause; TRAIN is split between productive and recompute by step.
 _CAUSE_OF_STATE = {State.SNAPSHOT: "snapshot", State.LOCAL_SNAPSHOT: "snapshot", State.RESTORE: "restore",
@@ -57,6 +61,7 @@ class Goodput(Observer):
         self._step = 0  # global step at self._since
         self._high_water_step = 0  # steps up to here were already trained by an earlier attempt
         self._high_water_written = 0  # rank 0: the highest step it has put in the store
+        self._high_water_written_at = clock()
         self._pending_restart_s: float | None = None  # process start -> first transition, until we know it counts
         self._restart_counted = False
 
@@ -83,15 +88,15 @@ class Goodput(Observer):
             with self._lock:
                 self._count_restart()
 
+    def stepped(self, step: int) -> None:
+        """An optimizer step is done (called by the loop at every step: a clock read, a store write a second)."""
+        if self._clock() - self._high_water_written_at >= HIGH_WATER_EVERY_S:
+            self._write_high_water(step)
+
     def trained(self, interval: Any) -> None:
         with self._lock:
             self._close_interval(self._clock(), interval.step)
-        info = self._info
-        # Only rank 0 writes the store: one set() per log interval for the whole job.
-        if info is not None and info.rank == 0 and info.store is not None:
-            if interval.step > max(self._high_water_step, self._high_water_written):
-                info.store.set(HIGH_WATER_KEY, str(interval.step))
-                self._high_water_written = interval.step
+        self._write_high_water(interval.step)
 
     def closed(self) -> None:
         global _last_closed_unix
@@ -133,6 +138,15 @@ class Goodput(Observer):
             self._restored_seconds = {cause: float(saved.get(cause, 0.0)) for cause in CAUSES}
 
     # -- internals --------------------------------------------------------------------------
+
+    def _write_high_water(self, step: int) -> None:
+        info = self._info
+        if info is None or info.rank != 0 or info.store is None:  # only rank 0 writes the store
+            return
+        self._high_water_written_at = self._clock()
+        if step > max(self._high_water_step, self._high_water_written):
+            info.store.set(HIGH_WATER_KEY, str(step))
+            self._high_water_written = step
 
     def _close_interval(self, now: float, step: int) -> None:
         """Add the time since the last mark to its cause; TRAIN time splits by the steps it covered."""

@@ -384,6 +384,7 @@ class Trainer:
                     self._interval.step_time_s += time.perf_counter() - step_started
                     self._steps_left -= 1
                     self.watchdog.beat(self.progress.global_step)
+                    self.goodput.stepped(self.progress.global_step)
             epoch_ended = self._steps_left == 0
             if epoch_ended:
                 self._end_epoch()

@@ -140,6 +140,20 @@ def test_recompute_counted_from_the_high_water_mark_in_a_real_store(tcp_store):
         assert tcp_store.get(HIGH_WATER_KEY) == (b"80" if rank == 1 else b"100")
 
 
+def test_the_high_water_mark_follows_the_steps_between_log_intervals(tcp_store):
+    """A kill between two log intervals: the next attempt counts every step rank 0 reached up to a second before."""
+    clock = FakeClock()
+    attempt = Goodput(clock=clock, process_age_s=lambda: 0.0)
+    attempt.started(run_info(store=tcp_store))
+    play(attempt, clock, [(0.0, "transition", S.SETUP, S.RESTORE, 0), (0.0, "transition", S.RESTORE, S.TRAIN, 0)])
+    for step in range(1, 38):  # 1/8 s steps, killed after step 37: the log interval (25) was at step 25
+        play(attempt, clock, [(0.125, "stepped", step)] + ([(0.0, "trained", interval(25))] if step == 25 else []))
+    assert tcp_store.get(HIGH_WATER_KEY) == b"33"  # written at step 33, one second after the log interval's write
+    clock.now += 0.25
+    attempt.stepped(38)
+    assert tcp_store.get(HIGH_WATER_KEY) == b"33", "at most one write a second"
+
+
 def test_the_high_water_mark_never_goes_down(tcp_store):
     tcp_store.set(HIGH_WATER_KEY, "80")
     clock = FakeClock()
