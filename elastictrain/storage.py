@@ -8,9 +8,15 @@ a lost node is never mistaken for a good snapshot. A commit that fails while thi
 removes its own torn prefix (best effort, never another prefix); one torn by a kill is skipped by
 readers and deleted by a later ``prune`` once it is older than the oldest snapshot kept.
 
-Local files are written to a temporary name, fsynced and renamed into place, and the directory
-is fsynced. Object stores have no rename; there the manifest being last is what keeps readers
-safe. What the protocol relies on from an object store, and nothing more:
+On a local disk a commit removes any prefix of its step, creates it afresh and writes each
+payload object straight under its final name: until the manifest exists the prefix is torn for
+every reader, so a half-written object needs no temporary name. Every payload file is fsynced,
+then the prefix's directory once (the payload's entries); only then is the manifest written to a
+temporary name, fsynced, renamed into place, and the directory fsynced again. A crash at any
+point leaves either a prefix without a manifest (skipped by readers, deleted by a later prune)
+or a complete snapshot; earlier snapshots are never touched. Object stores have no rename; there
+the manifest being last is what keeps readers safe. What the protocol relies on from an object
+store, and nothing more:
 
 - single-key read-after-write: a reader that GETs the manifest sees the object that was PUT
   (S3 has been strongly consistent for this since December 2020; SeaweedFS and MinIO are too);
@@ -436,7 +442,10 @@ class SnapshotStore:
                 _fsync_directory(self.root)
                 timings.fsync_s += time.perf_counter() - syncing
             try:
-                objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
+                if self._is_local:
+                    objects = self._write_local_payload(snapshot_id, writers, timings)
+                else:
+                    objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
                 manifest = Manifest(snapshot_id, step, time.time(), objects, meta)
                 manifest_bytes = manifest.to_json()
                 manifest_started = time.perf_counter()
@@ -451,6 +460,27 @@ class SnapshotStore:
                 if self._is_local and is_disk_full(exc):
                     raise self._disk_full_error(where, writers) from None
                 raise
+
+    def _write_local_payload(self, snapshot_id: str, writers: dict[str, Writer], timings: CommitTimings) -> dict[str, ObjectEntry]:
+        """Write each payload object under its final name in the fresh prefix; all durable when this returns.
+
+        No temporary name and no rename: the prefix has no manifest yet, so readers treat whatever
+        is in it as torn. Each file is fsynced, and the directory once, after the last one.
+        """
+        objects = {}
+        for name in sorted(writers):
+            with open(self._path(snapshot_id, name), "xb") as raw:  # "x": the prefix was just emptied
+                hashing = _HashingWriter(raw, self.checksum, timings)
+                hashing.run(writers[name])
+                raw.flush()
+                syncing = time.perf_counter()
+                os.fsync(raw.fileno())
+                timings.fsync_s += time.perf_counter() - syncing
+            objects[name] = hashing.entry()
+        syncing = time.perf_counter()
+        _fsync_directory(self._path(snapshot_id))  # the payload's directory entries, before the manifest's
+        timings.fsync_s += time.perf_counter() - syncing
+        return objects
 
     def _write_object(self, snapshot_id: str, name: str, writer: Writer, timings: CommitTimings) -> ObjectEntry:
         path = self._path(snapshot_id, name)
