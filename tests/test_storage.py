@@ -4,6 +4,7 @@ Torn and corrupt snapshots are skipped with a warning and never deleted by reade
 runs against a local directory and a fresh memory:// root.
 """
 
+import errno
 import hashlib
 import json
 import logging
@@ -480,6 +481,26 @@ def test_a_local_commit_killed_before_its_manifest_is_never_loaded_and_pruned_la
     commit_small(store, 30)
     assert store.prune(keep_last=1) == ["step-000000000010", "step-000000000020"]
     assert sorted(os.listdir(url)) == ["step-000000000030"]
+
+
+def test_a_failed_payload_fsync_fails_the_commit_and_removes_its_prefix(tmp_path, monkeypatch):
+    """A payload file's fsync runs beside the next object's write; its failure is the commit's failure."""
+    url = str(tmp_path / "snapshots")
+    store = SnapshotStore(url)
+    commit_small(store, 10)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/step-000000000020/model"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError, match=r"snapshot .*step-000000000020 could not be written \(.*Input/output error"):
+        store.commit(20, {"model": write_bytes(b"model at step 20"), "optim": write_in_chunks(BIG_OBJECT)}, meta={})
+
+    assert sorted(os.listdir(url)) == ["step-000000000010"]
+    assert store.latest_valid()[1] == {"model": b"model at step 10"}
 
 
 def test_check_writable_reports_url_when_path_is_unusable(tmp_path):
