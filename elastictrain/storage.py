@@ -8,9 +8,16 @@ a lost node is never mistaken for a good snapshot. A commit that fails while thi
 removes its own torn prefix (best effort, never another prefix); one torn by a kill is skipped by
 readers and deleted by a later ``prune`` once it is older than the oldest snapshot kept.
 
-Local files are written to a temporary name, fsynced and renamed into place, and the directory
-is fsynced. Object stores have no rename; there the manifest being last is what keeps readers
-safe. What the protocol relies on from an object store, and nothing more:
+On a local disk a commit removes any prefix of its step, creates it afresh and writes each
+payload object straight under its final name: until the manifest exists the prefix is torn for
+every reader, so a half-written object needs no temporary name. Every payload file is fsynced
+(on a helper thread, while the next object is written; the commit waits for all of them and
+fails if one fails), then the prefix's directory once (the payload's entries); only then is the
+manifest written to a temporary name, fsynced, renamed into place, and the directory fsynced
+again. A crash at any point leaves either a prefix without a manifest (skipped by readers,
+deleted by a later prune) or a complete snapshot; earlier snapshots are never touched. Object
+stores have no rename; there the manifest being last is what keeps readers safe. What the
+protocol relies on from an object store, and nothing more:
 
 - single-key read-after-write: a reader that GETs the manifest sees the object that was PUT
   (S3 has been strongly consistent for this since December 2020; SeaweedFS and MinIO are too);
@@ -63,6 +70,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
@@ -126,9 +134,11 @@ class CommitTimings:
 
     ``serialise_s`` is the writers' own time (torch.save pickling, between the bytes it hands
     over); ``write_s`` the time in the destination's write calls (the page cache, or the staging
-    file before an upload); ``hash_s`` the checksum; ``fsync_s`` flushing payload files and the
-    directory to the disk; ``upload_s`` the object-store PUTs; ``manifest_s`` writing the manifest
-    (its fsync and rename included). Prune is not part of a commit.
+    file before an upload); ``hash_s`` the checksum; ``fsync_s`` waiting for payload files and the
+    directory to reach the disk (a local payload file's fsync runs on a helper thread while the
+    next object is written; only what is left of it when the last object is written counts);
+    ``upload_s`` the object-store PUTs; ``manifest_s`` writing the manifest (its fsync and rename
+    included). Prune is not part of a commit.
     """
 
     serialise_s: float = 0.0
@@ -198,6 +208,13 @@ def _fsync_directory(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_and_close(raw: BinaryIO) -> None:
+    try:
+        os.fsync(raw.fileno())
+    finally:
+        raw.close()
 
 
 class _CountingSink:
@@ -436,7 +453,10 @@ class SnapshotStore:
                 _fsync_directory(self.root)
                 timings.fsync_s += time.perf_counter() - syncing
             try:
-                objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
+                if self._is_local:
+                    objects = self._write_local_payload(snapshot_id, writers, timings)
+                else:
+                    objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
                 manifest = Manifest(snapshot_id, step, time.time(), objects, meta)
                 manifest_bytes = manifest.to_json()
                 manifest_started = time.perf_counter()
@@ -451,6 +471,38 @@ class SnapshotStore:
                 if self._is_local and is_disk_full(exc):
                     raise self._disk_full_error(where, writers) from None
                 raise
+
+    def _write_local_payload(self, snapshot_id: str, writers: dict[str, Writer], timings: CommitTimings) -> dict[str, ObjectEntry]:
+        """Write each payload object under its final name in the fresh prefix; all durable when this returns.
+
+        No temporary name and no rename: the prefix has no manifest yet, so readers treat whatever
+        is in it as torn. Each file is fsynced on a helper thread while the next one is written
+        (fsync waits on the disk, not on the GIL); all fsyncs are joined, a failed one failing the
+        commit, and then the directory is fsynced once. ``timings.fsync_s`` counts only the time
+        this thread waits for them.
+        """
+        objects = {}
+        # Leaving the with-block waits for every fsync still running, also when a writer raised,
+        # so no file of this prefix is still open when the commit's cleanup deletes it.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastictrain-fsync") as syncer:
+            syncs = []
+            for name in sorted(writers):
+                raw = open(self._path(snapshot_id, name), "xb")  # "x": the prefix was just emptied
+                try:
+                    hashing = _HashingWriter(raw, self.checksum, timings)
+                    hashing.run(writers[name])
+                    raw.flush()
+                except BaseException:
+                    raw.close()
+                    raise
+                syncs.append(syncer.submit(_fsync_and_close, raw))
+                objects[name] = hashing.entry()
+            syncing = time.perf_counter()
+            for sync in syncs:
+                sync.result()  # an fsync's error (EIO, ENOSPC) is raised here and fails the commit
+        _fsync_directory(self._path(snapshot_id))  # the payload's directory entries, before the manifest's
+        timings.fsync_s += time.perf_counter() - syncing
+        return objects
 
     def _write_object(self, snapshot_id: str, name: str, writer: Writer, timings: CommitTimings) -> ObjectEntry:
         path = self._path(snapshot_id, name)

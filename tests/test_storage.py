@@ -4,12 +4,14 @@ Torn and corrupt snapshots are skipped with a warning and never deleted by reade
 runs against a local directory and a fresh memory:// root.
 """
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import subprocess
+import sys
 import time
 import uuid
 
@@ -435,6 +437,70 @@ def test_local_writer_error_leaves_no_temp_file(tmp_path):
     with pytest.raises(ValueError):
         store.commit(1, {"model": broken_writer}, meta={})
     assert os.listdir(tmp_path) == []
+
+
+KILLED_COMMIT = """
+import os, sys
+from elastictrain import storage
+
+url, kill_at = sys.argv[1], sys.argv[2]
+if kill_at == "before-manifest":  # every payload byte written and fsynced, the manifest not begun
+    storage.SnapshotStore._write_local_atomically = lambda *args, **kwargs: os._exit(9)
+
+def optim(handle):
+    handle.write(b"optim ")
+    if kill_at == "mid-payload":
+        os._exit(9)
+    handle.write(b"at step 20")
+
+storage.SnapshotStore(url).commit(20, {"model": lambda handle: handle.write(b"model at step 20"), "optim": optim}, meta={})
+"""
+
+
+@pytest.mark.parametrize("kill_at", ["mid-payload", "before-manifest"])
+def test_a_local_commit_killed_before_its_manifest_is_never_loaded_and_pruned_later(tmp_path, caplog, kill_at):
+    """Payload objects go straight to their final names: a prefix without a manifest is torn, whatever it holds."""
+    url = str(tmp_path / "snapshots")
+    store = SnapshotStore(url)
+    commit_small(store, 10)
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_COMMIT, url, kill_at], capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr
+
+    torn = tmp_path / "snapshots" / "step-000000000020"
+    assert sorted(os.listdir(torn)) == ["model", "optim"]  # no manifest, and no temporary names
+    if kill_at == "before-manifest":  # complete, checksummable payload: still not a snapshot
+        assert (torn / "optim").read_bytes() == b"optim at step 20"
+    listings = store.list_snapshots()
+    assert [(item.step, item.problem) for item in listings] == [(10, None), (20, "no manifest (torn or in-progress write)")]
+    with caplog.at_level(logging.WARNING):
+        manifest, payload = store.latest_valid()
+    assert (manifest.step, payload) == (10, {"model": b"model at step 10"})
+    assert any("step-000000000020" in message and "no manifest" in message for message in warning_messages(caplog))
+
+    commit_small(store, 30)
+    assert store.prune(keep_last=1) == ["step-000000000010", "step-000000000020"]
+    assert sorted(os.listdir(url)) == ["step-000000000030"]
+
+
+def test_a_failed_payload_fsync_fails_the_commit_and_removes_its_prefix(tmp_path, monkeypatch):
+    """A payload file's fsync runs beside the next object's write; its failure is the commit's failure."""
+    url = str(tmp_path / "snapshots")
+    store = SnapshotStore(url)
+    commit_small(store, 10)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/step-000000000020/model"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError, match=r"snapshot .*step-000000000020 could not be written \(.*Input/output error"):
+        store.commit(20, {"model": write_bytes(b"model at step 20"), "optim": write_in_chunks(BIG_OBJECT)}, meta={})
+
+    assert sorted(os.listdir(url)) == ["step-000000000010"]
+    assert store.latest_valid()[1] == {"model": b"model at step 10"}
 
 
 def test_check_writable_reports_url_when_path_is_unusable(tmp_path):
