@@ -28,7 +28,9 @@ loop, ``benchmarks/_textbook_recovery_worker.py``: one line per event with a uni
 
 The two jobs are the default job (elastictrain's spirals task; snapshot every 100 steps, kill at
 step 110) and the ~200 MB state (``benchmarks/_big_task.py``; snapshot every 5 steps, kill at step
-7). Modes alternate within each trial. Import cost is also measured at the end by starting two
+7), and, elastictrain only, the ~200 MB state with the fast tier (a copy in ``/dev/shm`` at every
+step, so the restart restores the node's copy of step 7 or 6 instead of the durable step 5; the
+tier's directory is removed after each trial). Modes alternate within each trial. Import cost is also measured at the end by starting two
 interpreters at once (as torchrun starts two workers) that import torch alone, and
 ``elastictrain.loop`` (what ``python -m elastictrain train`` imports before it builds anything).
 
@@ -44,6 +46,7 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -69,6 +72,15 @@ JOBS = {
         "textbook": ["--task", "big", "--every", "5"],
         "snapshot_step": 5, "kill_at_step": 7,
     },
+    # The same with the fast tier (issue 17): a copy in /dev/shm at every step besides the durable one
+    # every 5; the restarted group restores the fast copy of step 7 (or 6) instead of the durable 5.
+    "~200 MB state, fast tier": {
+        "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
+                         "snapshot.every_steps=5", "snapshot.local_every_steps=1", "train.log_every_steps=1",
+                         "log.plots=false"],
+        "fast_tier": True, "modes": ("elastictrain",),
+        "snapshot_step": 5, "kill_at_step": 7,
+    },
 }
 MODES = ("elastictrain", "textbook")
 PHASES = ("detect", "stop", "rendezvous", "start", "build", "init", "wrap", "read", "load", "first_step")
@@ -82,8 +94,13 @@ TEXTBOOK_LINE = re.compile(r"^(?:textbook|timed-task) rank (\d+) restart (\d+) t
 
 def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
-        return [*TORCHRUN, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"]]
+        fast = [f"snapshot.local_url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
+        return [*TORCHRUN, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast]
     return [*TORCHRUN, str(TEXTBOOK), "--checkpoint", str(workdir / "checkpoint.pt"), *job["textbook"]]
+
+
+def fast_tier_dir(workdir: pathlib.Path) -> str:
+    return f"/dev/shm/elastictrain-recovery-{os.getpid()}-{workdir.name}"
 
 
 def unix_time(hours: str, minutes: str, seconds: str, fraction: str, near_unix: float) -> float:
@@ -146,6 +163,7 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
             result["error"] = str(exc).splitlines()[0]
     finally:
         procs.kill_all_launched()
+        shutil.rmtree(fast_tier_dir(workdir), ignore_errors=True)  # the job was killed: no DONE cleaned it
     output = launched.output()
     if result["outcome"] != "recovered":  # evidence: where the restarted attempt stood
         result["last_lines"] = [line[:300] for line in output.splitlines()[-12:]]
@@ -241,8 +259,8 @@ def import_cost(repeats: int) -> dict:
 
 def summarise(results: list[dict]) -> dict:
     summary = {}
-    for job in JOBS:
-        for mode in MODES:
+    for job in dict.fromkeys(r["job"] for r in results):  # the jobs that ran, in order
+        for mode in JOBS[job].get("modes", MODES):
             mine = [r for r in results if r["job"] == job and r["mode"] == mode]
             recovered = [r for r in mine if r["outcome"] == "recovered" and r.get("kill_to_first_step_s") is not None]
             entry = {"trials": len(mine), "recovered": len(recovered)}
@@ -289,7 +307,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         for index in range(args.trials):
             for job in jobs:
-                modes = MODES if index % 2 == 0 else MODES[::-1]  # alternate which mode goes first
+                job_modes = JOBS[job].get("modes", MODES)
+                modes = job_modes if index % 2 == 0 else job_modes[::-1]  # alternate which mode goes first
                 for mode in modes:
                     result = trial(job, mode, pathlib.Path(scratch) / f"{index}-{len(results)}")
                     result["trial"] = index

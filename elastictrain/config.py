@@ -63,9 +63,9 @@ class TrainConfig(_Section):
     # schedule stay; keep_rank_batch keeps batch_size and grad_accum_steps, so the global batch follows.
     on_world_size_change: Literal["keep_global_batch", "keep_rank_batch"] = "keep_global_batch"
     scale_lr: bool = False  # keep_rank_batch only: scale the LR by new / old global batch (the linear rule)
-    # The bitwise-elastic mode: 0 off. N: the global batch is N virtual shards of batch_size samples at
-    # any world size (which must divide N), each with its own RNG stream, their gradients summed in one
-    # fixed order, so a run that shrinks and grows ends bitwise equal to an unbroken one.
+    # The bitwise-elastic mode: 0 off. N (a power of two): the global batch is N virtual shards of
+    # batch_size samples at any world size (which must divide N), each with its own RNG stream, their
+    # gradients summed in one fixed tree, so a run that shrinks and grows ends bitwise equal to an unbroken one.
     virtual_shards: NonNegativeInt = 0
 
 
@@ -193,6 +193,13 @@ class Config(_Section):
     @model_validator(mode="after")
     def _virtual_shards_fix_the_batch(self) -> "Config":
         train = self.train
+        shards = train.virtual_shards
+        if shards & (shards - 1):
+            raise ValueError(
+                f"train.virtual_shards={shards} must be a power of two (2, 4, 8, ...): the shards' gradients are summed "
+                "in one binary tree, the same at every world size; pick the power of two at least as large as the "
+                "largest world size the job may have"
+            )
         if train.virtual_shards and (train.grad_accum_steps != 1 or train.on_world_size_change != "keep_global_batch"):
             raise ValueError(
                 f"train.virtual_shards={train.virtual_shards} fixes the global batch at virtual_shards x batch_size "

@@ -1,8 +1,8 @@
 """The bitwise-elastic mode's gradient sync on real gloo ranks: the same step at one world size and at two.
 
 A small MLP with dropout trains three steps on a global batch of four virtual shards: in one
-process (all four shards local), and on two spawned gloo ranks (two shards each). With
-``VirtualShards`` the parameters end bitwise equal. With DDP's accumulation (the default mode) the
+process (all four shards local), on two spawned gloo ranks (two shards each) and on four (one
+each). With ``VirtualShards`` the parameters end bitwise equal. With DDP's accumulation (the default mode) the
 same samples, without dropout, end in other bits: the sums run in another order.
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from elastictrain.dist import DistContext, LaunchEnv
 from elastictrain.errors import ConfigError
-from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed
+from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed, tree_sum_rows
 from elastictrain.snapshot import params_sha256
 from elastictrain.stragglers import GradientSyncTimer
 
@@ -53,24 +53,24 @@ def train(ctx: DistContext, mode: str, dropout: float) -> str:
     return params_sha256(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
 
 
-def _rank(rank: int, port: int, mode: str, dropout: float, results) -> None:
+def _rank(rank: int, world: int, port: int, mode: str, dropout: float, results) -> None:
     torch.set_num_threads(1)
-    store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = tdist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
+        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=world), True, torch.device("cpu"), "gloo", 60.0)
         results.put((rank, train(ctx, mode, dropout)))
     finally:
         tdist.destroy_process_group()
 
 
-def on_two_ranks(mode: str, dropout: float) -> str:
+def on_ranks(world: int, mode: str, dropout: float) -> str:
     from tests.helpers.agents import free_port
 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    workers = [context.Process(target=_rank, args=(rank, port, mode, dropout, results)) for rank in (0, 1)]
+    workers = [context.Process(target=_rank, args=(rank, world, port, mode, dropout, results)) for rank in range(world)]
     for worker in workers:
         worker.start()
     try:
@@ -83,7 +83,7 @@ def on_two_ranks(mode: str, dropout: float) -> str:
             if worker.is_alive():
                 worker.kill()
                 worker.join()
-    assert shas[0] == shas[1], "the ranks of one run disagree"
+    assert len(set(shas.values())) == 1, "the ranks of one run disagree"
     return shas[0]
 
 
@@ -96,13 +96,21 @@ def in_one_process(mode: str, dropout: float) -> str:
         torch.set_num_threads(threads)
 
 
-def test_virtual_shards_end_bitwise_equal_at_one_and_two_ranks_with_dropout():
-    assert on_two_ranks("virtual", dropout=0.3) == in_one_process("virtual", dropout=0.3)
+def test_virtual_shards_end_bitwise_equal_at_one_two_and_four_ranks_with_dropout():
+    alone = in_one_process("virtual", dropout=0.3)  # the whole tree on one rank
+    assert on_ranks(2, "virtual", dropout=0.3) == alone  # two shards each, then one exchange
+    assert on_ranks(4, "virtual", dropout=0.3) == alone  # one shard each, then two exchanges
 
 
 def test_ddp_accumulation_sums_in_another_order_at_another_world_size():
     """What the bitwise-elastic mode is for: without dropout, the same samples still end in other bits."""
-    assert on_two_ranks("ddp", dropout=0.0) != in_one_process("ddp", dropout=0.0)
+    assert on_ranks(2, "ddp", dropout=0.0) != in_one_process("ddp", dropout=0.0)
+
+
+def test_the_tree_adds_each_row_to_the_one_half_a_level_away():
+    rows = torch.tensor([[1.0], [2.0], [4.0], [8.0]])
+    tree_sum_rows(rows)
+    assert rows[0].item() == 15.0 and rows[1].item() == 2.0 + 8.0  # (1 + 4) + (2 + 8)
 
 
 def test_a_shard_seed_depends_on_the_shard_and_the_step_only():

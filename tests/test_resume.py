@@ -8,6 +8,7 @@ rank in the same order, with torchrun restarting exactly once per kill.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -116,9 +117,17 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
     first = launch_job(tmp_path, "first", overrides)
     procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
+    shutil.copytree(tmp_path / "run", tmp_path / "again" / "run")  # to make the same change once more
     single = launch_job(tmp_path, "single", overrides, single_process=True)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     result = parse_job(single.output())
+    # Not bitwise equal to the two workers' run (README, "Elastic training"), but reproducible: the same
+    # change at the same step re-seeds and sums the same way, and ends with the same parameters.
+    # (its own trace directory and no pause: task.args that change no number)
+    again = launch_job(tmp_path / "again", "single", ["task.args.lr_factory=true", "snapshot.accept_changes=[task.args]"],
+                       single_process=True)
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
+    assert parse_job(again.output()).summary["params_sha256"] == result.summary["params_sha256"]
     # An LR schedule built from the run's length gets the same length at one worker as at two: the global
     # batch is kept, so the steps are too (not the 480 that 16 samples a step would make).
     assert "lr factory: total_steps=240" in first.output() and "lr factory: total_steps=240" in result.output

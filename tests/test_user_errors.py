@@ -261,8 +261,12 @@ def build_with_a_bug(hidden: int = 8) -> Task:
          "invalid config (defaults + overrides): snapshot.storage_options (key, secret) are ignored for the local "
          "path snapshot.url='/tmp/x/snapshots': they configure a remote store (credentials, endpoint); set "
          "snapshot.url to the store they are for (e.g. s3://bucket/run) or remove them (snapshot.storage_options={})"),
+        (["train.virtual_shards=6"],
+         "invalid config (defaults + overrides): train.virtual_shards=6 must be a power of two (2, 4, 8, ...): the "
+         "shards' gradients are summed in one binary tree, the same at every world size; pick the power of two at "
+         "least as large as the largest world size the job may have"),
     ],
-    ids=["yaml-override", "config-dir", "factory-arg-type", "local-storage-options"],
+    ids=["yaml-override", "config-dir", "factory-arg-type", "local-storage-options", "virtual-shards-not-a-power-of-two"],
 )
 def test_inputs_that_slipped_through_are_one_line_naming_the_key(tmp_path, args, expected):
     result = run_cli(tmp_path, *args)
