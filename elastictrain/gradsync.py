@@ -30,7 +30,7 @@ Two ways to do it:
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
 import torch
@@ -51,19 +51,14 @@ class DDPAccumulation:
         self.model = model
         self.timer = timer
 
-    @contextmanager
-    def micro_batch(self, index: int, count: int, step: int) -> Iterator[None]:
-        last = index == count - 1
-        with dist.no_sync(self.model, skip_sync=not last):
-            yield
-        if last:
-            self.timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
+    def micro_batch(self, index: int, count: int, step: int) -> AbstractContextManager:
+        return dist.no_sync(self.model, skip_sync=index < count - 1)  # a plain context: this runs at every micro-batch
 
     def scale(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         return loss / count
 
     def finish(self, count: int) -> None:
-        pass
+        self.timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
 
 
 class VirtualShards:
