@@ -74,7 +74,7 @@ JOBS = {
     },
     # The same with the fast tier (issue 17): a copy in /dev/shm at every step besides the durable one
     # every 5; the restarted group restores the fast copy of step 7 (or 6) instead of the durable 5.
-    "~200 MB state, fast tier": {
+    "~200 MB state + fast tier": {
         "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
                          "snapshot.every_steps=5", "snapshot.local_every_steps=1", "train.log_every_steps=1",
                          "log.plots=false"],
