@@ -140,6 +140,11 @@ def test_a_config_error_under_torchrun_is_said_once_per_rank_and_restarts_stop_a
                        env=job_env(), cwd=tmp_path)
     assert job.wait(TIMEOUT_S) != 0
     errors = [line for line in job.output().splitlines() if line.startswith("elastictrain: error:")]
-    assert errors[:2] == ["elastictrain: error: invalid config (defaults + overrides): unknown key 'train.bach_size' "
-                          "(did you mean 'train.batch_size'?)"] * 2
-    assert [line.split(":")[2].strip() for line in errors[2:]] == ["restart 1 skipped"] * 2
+    said = "elastictrain: error: invalid config (defaults + overrides): unknown key 'train.bach_size' (did you mean 'train.batch_size'?)"
+    # Once per rank that got that far: the agent stops a slower rank with SIGTERM as soon as the
+    # first one has exited, so it may not live to say it (seen on a loaded machine). Then every
+    # rank of the restart skips it at once, with the same caveat.
+    first_skip = next(index for index, line in enumerate(errors) if "restart 1 skipped" in line)
+    assert 1 <= first_skip <= 2 and errors[:first_skip] == [said] * first_skip, errors
+    assert 1 <= len(errors) - first_skip <= 2, errors
+    assert all(line.split(":")[2].strip() == "restart 1 skipped" for line in errors[first_skip:]), errors
