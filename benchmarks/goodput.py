@@ -68,7 +68,6 @@ WORKER = pathlib.Path(__file__).resolve().with_name("_goodput_worker.py")
 WORLD_SIZE = 2
 MAX_RESTARTS = 1000
 POLL_S = 0.02
-LEFTOVER_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -142,29 +141,6 @@ def load_average() -> list[float]:
     return [float(value) for value in pathlib.Path("/proc/loadavg").read_text().split()[:3]]
 
 
-def surviving_worker_pids() -> list[int]:
-    """Live processes whose command line names our worker script (agents or workers of any job)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            cmdline = pathlib.Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(WORKER) in cmdline and procs.pid_alive(int(name)):
-            found.append(int(name))
-    return sorted(found)
-
-
-def ensure_nothing_survives(context: str) -> None:
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (survivors := surviving_worker_pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if survivors:
-        raise RuntimeError(f"{context}: processes running {WORKER.name} are still alive: {survivors}; stopping here")
-
-
 def _sigkill(pid: int) -> bool:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -175,7 +151,7 @@ def _sigkill(pid: int) -> bool:
 
 def run_job(job: Job, repeat: int, scratch: pathlib.Path, args: argparse.Namespace, label: str) -> dict:
     """Launch the job, SIGKILL a worker every --kill-every seconds until the agent exits; return what happened."""
-    ensure_nothing_survives(f"before {label}")
+    procs.ensure_none_running(WORKER, f"before {label}")
     print(f"repeat {repeat}: {label}, {job.steps} steps ...", file=sys.stderr, flush=True)
     workdir = scratch / f"{repeat}-{label}"
     workdir.mkdir()
@@ -387,7 +363,7 @@ def main() -> None:
             for index, (job, raw) in enumerate(zip(jobs, faulted)):  # in the order they ran
                 results.append(analyse(job, raw, _reference_step_s(references[index:index + 2])))
                 results.append(analyse(reference, references[index + 1], _reference_step_s(references[index + 1:index + 2])))
-    ensure_nothing_survives("after the last job")
+    procs.ensure_none_running(WORKER, "after the last job")
     uptime_at_end = uptime()
     total_wall_s = round(time.monotonic() - started, 1)
 

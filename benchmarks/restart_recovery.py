@@ -57,7 +57,6 @@ MODES = ("textbook", "elastictrain")
 MAX_RESTARTS = 3
 # Importing torch twice over on a busy 2-core machine can take a while before step 5.
 START_TIMEOUT_S = 180.0
-LEFTOVER_GRACE_S = 5.0
 
 DONE_LINE = re.compile(r"^rank (\d+) restart (\d+) done\s*$", re.MULTILINE)
 PROGRESS_LINE = re.compile(r"^rank \d+ restart (\d+) (?:step \d+|done)\s*$", re.MULTILINE)
@@ -91,34 +90,8 @@ def torchrun_command(mode: str, workdir: pathlib.Path) -> list[str]:
     ]
 
 
-def surviving_worker_pids() -> list[int]:
-    """Live processes (agents or workers) whose command line names our worker script."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            cmdline = pathlib.Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(WORKER) in cmdline and procs.pid_alive(int(name)):
-            found.append(int(name))
-    return sorted(found)
-
-
-def ensure_nothing_survives(context: str) -> None:
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (survivors := surviving_worker_pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if survivors:
-        raise RuntimeError(
-            f"{context}: processes running {WORKER.name} are still alive: {survivors}; "
-            "a trial would share the machine with them, so the benchmark stops here"
-        )
-
-
 def run_trial(mode: str, trial: int, scratch: pathlib.Path, hang_timeout_s: float, results_dir: pathlib.Path) -> TrialResult:
-    ensure_nothing_survives(f"before trial {trial} ({mode})")
+    procs.ensure_none_running(WORKER, f"before trial {trial} ({mode})")
     workdir = scratch / f"trial{trial:02d}-{mode}"
     workdir.mkdir()
     log_path = workdir / "torchrun.log"
@@ -239,7 +212,7 @@ def main() -> None:
                     f"kill->end={result.kill_to_end_s}s mesh_error={result.mesh_error_in_log}",
                     file=sys.stderr, flush=True,
                 )
-    ensure_nothing_survives("after the last trial")
+    procs.ensure_none_running(WORKER, "after the last trial")
     total_wall_s = round(time.monotonic() - started_s, 1)
 
     summary = {mode: summarise(results, mode) for mode in modes}

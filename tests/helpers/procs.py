@@ -99,6 +99,33 @@ def pid_alive(pid: int) -> bool:
     return _is_live(_read_stat(pid))
 
 
+def pids_running(script: pathlib.Path) -> list[int]:
+    """Live processes other than this one whose command line names ``script`` (agents or workers of any job)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = pathlib.Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(script) in cmdline and pid_alive(int(name)):
+            found.append(int(name))
+    return sorted(found)
+
+
+def ensure_none_running(script: pathlib.Path, context: str, grace_s: float = 5.0) -> None:
+    """Wait up to ``grace_s`` for every process running ``script`` to be gone; raise naming those that are not."""
+    deadline = time.monotonic() + grace_s
+    while (survivors := pids_running(script)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if survivors:
+        raise RuntimeError(
+            f"{context}: processes running {script.name} are still alive: {survivors}; "
+            "a run would share the machine with them, so the benchmark stops here"
+        )
+
+
 def _tail(text: str, lines: int = OUTPUT_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
