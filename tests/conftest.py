@@ -31,9 +31,10 @@ def torchrun_launcher(*, nproc: int = 2, max_restarts: int = 3) -> list[str]:
     ]
 
 
-def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3) -> list[str]:
-    """`torchrun ... -m elastictrain train OVERRIDES`, as a list."""
-    return [*torchrun_launcher(nproc=nproc, max_restarts=max_restarts), "-m", "elastictrain", "train", *overrides]
+def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3, warmstart: bool = False) -> list[str]:
+    """`torchrun ... [-m elastictrain.warmstart] -m elastictrain train OVERRIDES`, as a list."""
+    warm = ["-m", "elastictrain.warmstart"] if warmstart else []
+    return [*torchrun_launcher(nproc=nproc, max_restarts=max_restarts), *warm, "-m", "elastictrain", "train", *overrides]
 
 
 def python_command(overrides: list[str]) -> list[str]:

@@ -38,10 +38,11 @@ def start_steps(output: str) -> list[int]:
 
 
 def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False,
-               env: dict[str, str] | None = None, max_restarts: int = 3) -> procs.Launched:
+               env: dict[str, str] | None = None, max_restarts: int = 3, warmstart: bool = False) -> procs.Launched:
     overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
     (workdir / "trace").mkdir(exist_ok=True)
-    command = python_command(overrides) if single_process else torchrun_command(overrides, max_restarts=max_restarts)
+    command = (python_command(overrides) if single_process
+               else torchrun_command(overrides, max_restarts=max_restarts, warmstart=warmstart))
     return procs.launch(command, log_path=workdir / f"{name}.log", env={**job_env(), **(env or {})}, cwd=workdir)
 
 

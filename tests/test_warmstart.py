@@ -1,0 +1,140 @@
+"""Warm restarts (elastictrain/warmstart.py): restarted workers forked from a preloaded interpreter.
+
+Under real torchrun, one job meets every way a warm worker can end, each at a known step (the
+test task pauses there): a SIGKILL of the cold first worker, a SIGKILL of a warm child itself, a
+SIGTERM to a client (forwarded: the ranks stop with a snapshot) and a SIGKILL of a client (its
+child must die with it). The job must end bitwise equal to the unbroken reference run having
+trained every sample exactly once, and the preloaded interpreter must be gone once the agent is.
+The parts outside torchrun (arguments, exit statuses, the cold path) are tested on their own.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse
+from tests.conftest import REPO_ROOT, parse_job
+from tests.helpers import procs
+from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.tasks import read_traces, stitch
+
+WARM = re.compile(r"elastictrain\.warmstart: started warm, forked from the preloaded interpreter \(pid (\d+)\)")
+PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train.py", "--lr", "0.1"], Target(None, "train.py", ("--lr", "0.1"), DEFAULT_PRELOAD)),
+    (["-m", "elastictrain", "train", "x=1"], Target("elastictrain", None, ("train", "x=1"), DEFAULT_PRELOAD)),
+    (["--preload", "numpy,transformers", "t.py"], Target(None, "t.py", (), (*DEFAULT_PRELOAD, "numpy", "transformers"))),
+    (["--preload=numpy", "-m", "pkg.main"], Target("pkg.main", None, (), (*DEFAULT_PRELOAD, "numpy"))),
+    ([], None),
+    (["-m"], None),
+    (["--lr", "0.1"], None),
+])
+def test_arguments_are_read_as_python_reads_a_script_or_module(argv, expected):
+    assert parse(argv) == expected
+
+
+def run_python(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args] if not code else [sys.executable, "-c", code, *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+
+
+@pytest.mark.parametrize("status, returncode", [
+    (0, 0), (3 << 8, 3), (143 << 8, 143),  # exit codes
+    (signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGUSR1, -signal.SIGUSR1),
+])
+def test_the_client_ends_as_its_child_ended(status, returncode):
+    # What torchrun sees of a warm worker is the client: a child's exit code or signal must reach it unchanged.
+    ended = run_python(f"from elastictrain.warmstart import exit_like; exit_like({int(status)})")
+    assert ended.returncode == returncode, ended.stderr
+
+
+def test_no_script_is_one_line_and_exit_2():
+    ended = run_python("", "-m", "elastictrain.warmstart", "--preload", "numpy")
+    assert ended.returncode == 2
+    assert ended.stderr.count("\n") == 1 and "give the script to run (or -m MODULE)" in ended.stderr
+
+
+def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:], 'file', __file__)\nsys.exit(7)\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC")}
+    ended = subprocess.run([sys.executable, "-m", "elastictrain.warmstart", str(script), "a", "--b"],
+                           capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO_ROOT)})
+    assert ended.returncode == 7, ended.stderr
+    assert f"argv ['a', '--b'] file {script}" in ended.stdout
+    assert "warm" not in ended.stderr
+
+
+def client_pid(agent_pid: int, rank: int) -> int:
+    """The pid torchrun started for ``rank`` (the client), from the agent's children's environments."""
+    for pid in procs.descendants(agent_pid):
+        try:
+            environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if procs.parent_pid(pid) == agent_pid and f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under agent {agent_pid}")
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> float:
+    started = time.monotonic()
+    while procs.pid_alive(pid):
+        assert time.monotonic() - started < timeout_s, f"pid {pid} still alive after {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.mark.torchrun
+def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tmp_path, reference_run):
+    # Pauses at per-process training calls, so each fires in the attempt named (once per job):
+    # attempt 0 (cold) rank 1 at call 30 = step 30; attempt 1 (from step 25) rank 0 at call 40 =
+    # step 65; attempt 2 (from 50) rank 1 at call 50 = step 100; attempt 3 (from the preemption
+    # snapshot, a few steps later) rank 0 at call 80.
+    pauses = "[[1,30],[0,40],[1,50],[0,80]]"
+    job = launch_job(tmp_path, "job", [f"task.args.pauses={pauses}"], max_restarts=4, warmstart=True)
+    marker = lambda rank, call: tmp_path / "trace" / f"paused-rank{rank}-call{call}.pid"  # noqa: E731
+
+    cold = int(procs.wait_for_file(marker(1, 30), TIMEOUT_S, job))
+    assert cold == client_pid(job.proc.pid, 1), "the first attempt runs cold: the worker is what torchrun started"
+    os.kill(cold, signal.SIGKILL)
+
+    warm_child = int(procs.wait_for_file(marker(0, 40), TIMEOUT_S, job))
+    assert warm_child != client_pid(job.proc.pid, 0), "a restarted worker is a child of the preloaded interpreter"
+    os.kill(warm_child, signal.SIGKILL)  # its client must end as it did: torchrun sees -9
+
+    paused = int(procs.wait_for_file(marker(1, 50), TIMEOUT_S, job))
+    os.kill(client_pid(job.proc.pid, 1), signal.SIGTERM)  # forwarded to the child: a preemption
+    marker(1, 50).with_suffix(".resume").touch()
+
+    last_child = int(procs.wait_for_file(marker(0, 80), TIMEOUT_S, job))
+    os.kill(client_pid(job.proc.pid, 0), signal.SIGKILL)
+    print(f"child gone {wait_gone(last_child):.2f} s after its client's SIGKILL")
+
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    output = job.output()
+    servers = {int(pid) for pid in WARM.findall(output)}
+    assert len(WARM.findall(output)) == 8 and len(servers) == 1, "attempts 1-4 of both ranks start warm from one server"
+    assert "rank 1 received SIGTERM at step 100" in output
+    stopped = int(PREEMPTED.search(output).group(1))
+    assert output.count("(exitcode: -9)") == 3 and output.count("(exitcode: 143)") == 1
+    steps = start_steps(output)
+    assert steps[:4] == [0, 25, 50, stopped] and steps[4] == (stopped + 79) // 25 * 25, steps
+    result = parse_job(output)
+    assert result.summary["params_sha256"] == reference_run.result.summary["params_sha256"]
+    for rank in (0, 1):
+        assert stitch(read_traces(tmp_path / "trace", rank), steps) == reference_run.traces[rank]
+    assert paused != last_child
+    wait_gone(servers.pop(), timeout_s=5.0)  # the preloaded interpreter leaves with its agent
+    assert not list(pathlib.Path("/tmp").glob(f"elastictrain-warm-{os.getuid()}-{job.proc.pid}-*"))
