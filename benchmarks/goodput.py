@@ -17,7 +17,9 @@ from one repeat to the next:
 - ``elastictrain``: its defaults, a durable snapshot every ``--every-steps`` (100) steps,
   written while training waits;
 - ``elastictrain-fast``: the same plus the fast tier, a node-local copy every
-  ``--fast-every-steps`` (25) under ``--fast-dir`` (/dev/shm), and ``snapshot.async_write=true``.
+  ``--fast-every-steps`` (25) under ``--fast-dir`` (/dev/shm), and ``snapshot.async_write=true``;
+- ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
+  WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
 
 A faulted job's reference step time is the median step interval of the two reference runs
 around it: on a shared machine the load drifts within minutes, and the neighbours see the load
@@ -79,13 +81,14 @@ class Job:
     epoch_steps: int
     config: dict = field(default_factory=dict)  # elastictrain: merged into its config
     fast_tier_url: str | None = None  # elastictrain-fast: where its node-local copies go
+    warm: bool = False  # elastictrain-warm: torchrun starts -m elastictrain.warmstart before the worker
 
     @property
     def steps(self) -> int:
         return self.epochs * self.epoch_steps
 
 
-FAULTED_JOBS = ("textbook", "elastictrain", "elastictrain-fast")
+FAULTED_JOBS = ("textbook", "elastictrain", "elastictrain-fast", "elastictrain-warm")
 
 
 def reference_job(args: argparse.Namespace) -> Job:
@@ -102,6 +105,9 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
         Job("elastictrain-fast", "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput",
             config={"snapshot": {"every_steps": args.every_steps, "async_write": True, "local_url": fast_url,
                                  "local_every_steps": args.fast_every_steps}}),
+        Job("elastictrain-warm", "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}-warm/goodput",
+            warm=True, config={"snapshot": {"every_steps": args.every_steps, "async_write": True,
+                                            "local_url": f"{fast_url}-warm", "local_every_steps": args.fast_every_steps}}),
     ]
     chosen = [job for job in jobs if job.name in args.jobs]
     shift = repeat % len(chosen) if chosen else 0
@@ -113,7 +119,7 @@ def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={WORLD_SIZE}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1",
-        str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
+        *(["-m", "elastictrain.warmstart"] if job.warm else []), str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
         f"--epoch-steps={job.epoch_steps}", f"--config={json.dumps(job.config)}",
     ]
 

@@ -81,6 +81,20 @@ JOBS = {
         "fast_tier": True, "modes": ("elastictrain",),
         "snapshot_step": 5, "kill_at_step": 7,
     },
+    # Warm restarts: torchrun starts -m elastictrain.warmstart before the worker, so the restarted
+    # workers are forked from a preloaded interpreter (torch, torch._dynamo, elastictrain imported).
+    "default job + warm start": {
+        "elastictrain": ["task.factory=benchmarks._timed_task:spirals", "train.log_every_steps=1", "log.plots=false"],
+        "warm": True, "modes": ("elastictrain",),
+        "snapshot_step": 100, "kill_at_step": 110,
+    },
+    "~200 MB state + fast tier + warm start": {
+        "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
+                         "snapshot.every_steps=5", "snapshot.local_every_steps=1", "train.log_every_steps=1",
+                         "log.plots=false"],
+        "fast_tier": True, "warm": True, "modes": ("elastictrain",),
+        "snapshot_step": 5, "kill_at_step": 7,
+    },
 }
 MODES = ("elastictrain", "textbook")
 PHASES = ("detect", "stop", "rendezvous", "start", "build", "init", "wrap", "read", "load", "first_step")
@@ -95,7 +109,8 @@ TEXTBOOK_LINE = re.compile(r"^(?:textbook|timed-task) rank (\d+) restart (\d+) t
 def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
         fast = [f"snapshot.local_url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
-        return [*TORCHRUN, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast]
+        warm = ["-m", "elastictrain.warmstart"] if job.get("warm") else []
+        return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast]
     return [*TORCHRUN, str(TEXTBOOK), "--checkpoint", str(workdir / "checkpoint.pt"), *job["textbook"]]
 
 
