@@ -110,7 +110,7 @@ class PreemptConfig(_Section):
     requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
     # The ranks agree on signals (and rank 0's snapshot timer) at most once per step and at most this
     # often; a signal is acted on within max(one step, this) plus one step. 0: every step.
-    vote_every_s: NonNegativeFloat = 0.02
+    vote_every_s: NonNegativeFloat = 0.25
 
 
 class MetricsConfig(_Section):

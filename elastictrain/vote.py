@@ -10,8 +10,9 @@ EVALUATE and SNAPSHOT) waits for anything in flight and exchanges once more sync
 vote crosses a state boundary.
 
 How often: at most once per step, and no more often than every ``every_s`` seconds. A collective
-per step costs a tiny model several percent on a busy CPU (its gloo thread competes with the
-step), while a request can wait a few milliseconds: a signal leaves the job ~30 s to stop. Rank
+per step costs a tiny model 45 % on 2 busy CPU cores (its gloo thread competes with the step),
+and one every 20 ms still 15-20 %; at one per 0.25 s (the default) or 64 steps the cost is within
+noise. A request can wait that long: a signal leaves the job ~30 s to stop. Rank
 0 measures the step time between votes and proposes the number of steps to the next vote inside
 the vote itself, so every rank reads the same cadence at the same step and they never disagree
 on which boundaries vote.
