@@ -114,7 +114,12 @@ def server_base(target: Target, agent_pid: int) -> str:
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(KEY_ENV_PREFIXES))
     material = json.dumps([sys.executable, sys.flags[:], os.getcwd(), list(target.preload), environment])
     key = hashlib.sha256(material.encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), f"elastictrain-warm-{os.getuid()}-{agent_pid}-{key}")
+    return os.path.join(runtime_dir(), f"elastictrain-warm-{os.getuid()}-{agent_pid}-{key}")
+
+
+def runtime_dir() -> str:
+    """Where sockets go: the user's own runtime directory if the session has one, else the temp directory."""
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
 
 
 # ---- the client: what torchrun starts ---------------------------------------------------------
@@ -148,16 +153,30 @@ def _connect(path: str) -> socket.socket | None:
     except OSError:  # no server yet, or a stale socket of one that died
         connection.close()
         return None
+    if _peer_uid(connection) != os.getuid():  # never hand the environment to another user's process
+        connection.close()
+        _say(f"{path} is served by another user: this start runs cold")
+        return None
     return connection
+
+
+def _peer_uid(connection: socket.socket) -> int:
+    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 def _start_server(base: str, target: Target) -> None:
     """Start the node's server unless another local rank is starting it; never wait for it."""
-    lock_fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        lock_fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        _say(f"cannot create {base}.lock ({error}): this start runs cold, and so will restarts")
+        return
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # another local rank holds it: that one starts the server
+    except OSError:  # held: another local rank is starting the server, or it is still importing
         os.close(lock_fd)
+        _say("this start runs cold: the preloaded interpreter is not ready yet")
         return
     try:
         agent_fd = os.pidfd_open(os.getppid())
@@ -302,16 +321,19 @@ def serve(base: str, lock_fd: int, agent_fd: int, preload: tuple[str, ...]) -> C
         except Exception as error:  # noqa: BLE001 - any failure means: no warm restarts, say why
             _say(f"preloading {name} failed ({type(error).__name__}: {error}); restarts run cold")
             return None
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the first attempt's log may be gone by the next
     me, path = os.getpid(), base + ".sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     umask = os.umask(0o077)
     try:
         listener.bind(f"{path}.{me}")
+        listener.listen(64)
+        os.replace(f"{path}.{me}", path)
+    except OSError as error:  # a path too long for a unix socket (108 bytes), a full disk
+        _say(f"cannot listen at {path} ({error}); restarts run cold. Set TMPDIR to a short local directory")
+        return None
     finally:
         os.umask(umask)
-    listener.listen(64)
-    os.replace(f"{path}.{me}", path)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the first attempt's log may be gone by the next
     children: dict[int, tuple[int, socket.socket]] = {}  # child pidfd -> (pid, connection)
     try:
         while True:
@@ -355,9 +377,8 @@ def serve(base: str, lock_fd: int, agent_fd: int, preload: tuple[str, ...]) -> C
 
 def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] | None:
     connection, _ = listener.accept()
-    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     try:
-        if uid != os.getuid():
+        if _peer_uid(connection) != os.getuid():
             raise OSError("another user")
         connection.settimeout(REQUEST_TIMEOUT_S)
         request, fds = _receive(connection, want_fds=3)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse
+from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, runtime_dir
 from tests.conftest import REPO_ROOT, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -137,4 +137,4 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
         assert stitch(read_traces(tmp_path / "trace", rank), steps) == reference_run.traces[rank]
     assert paused != last_child
     wait_gone(servers.pop(), timeout_s=5.0)  # the preloaded interpreter leaves with its agent
-    assert not list(pathlib.Path("/tmp").glob(f"elastictrain-warm-{os.getuid()}-{job.proc.pid}-*"))
+    assert not list(pathlib.Path(runtime_dir()).glob(f"elastictrain-warm-{os.getuid()}-{job.proc.pid}-*"))
