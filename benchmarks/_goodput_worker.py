@@ -22,17 +22,9 @@ import os
 import sys
 import time
 
+from elastictrain.warmstart import process_started_unix  # standard library only: torch is not imported yet
 
-def _process_created_unix() -> float:
-    # Field 22 of /proc/self/stat: start time in clock ticks after boot (CLOCK_BOOTTIME).
-    with open("/proc/self/stat", "rb") as stat_file:
-        raw = stat_file.read().decode()
-    start_ticks = int(raw[raw.rfind(")") + 2:].split()[19])
-    age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - age_s
-
-
-CREATED_UNIX = _process_created_unix()  # before torch is imported: the import is part of a restart's cost
+CREATED_UNIX = process_started_unix()  # before torch is imported: the import is part of a restart's cost
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -248,7 +248,7 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
     streams = {"line_buffering": bool(getattr(sys.stdout, "line_buffering", False)),
                "write_through": bool(getattr(sys.stdout, "write_through", False))}
     request = {"module": target.module, "script": target.script, "args": list(target.args), "cwd": os.getcwd(),
-               "env": dict(os.environ), "streams": streams, "client_started": _process_started_unix()}
+               "env": dict(os.environ), "streams": streams, "client_started": process_started_unix()}
     try:
         connection.settimeout(REQUEST_TIMEOUT_S)
         _send(connection, request, [0, 1, 2])
@@ -274,7 +274,7 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
     exit_like(ended["status"])
 
 
-def _process_started_unix() -> float:
+def process_started_unix() -> float:
     with open("/proc/self/stat", "rb") as stat_file:
         raw = stat_file.read().decode()
     start_ticks = int(raw[raw.rfind(")") + 2:].split()[19])
