@@ -102,16 +102,19 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
     jobs = [
         Job("textbook", "textbook", faulted=True, **length),
         Job("elastictrain", "elastictrain", faulted=True, **length, config={"snapshot": {"every_steps": args.every_steps}}),
-        Job("elastictrain-fast", "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput",
-            config={"snapshot": {"every_steps": args.every_steps, "async_write": True, "local_url": fast_url,
-                                 "local_every_steps": args.fast_every_steps}}),
-        Job("elastictrain-warm", "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}-warm/goodput",
-            warm=True, config={"snapshot": {"every_steps": args.every_steps, "async_write": True,
-                                            "local_url": f"{fast_url}-warm", "local_every_steps": args.fast_every_steps}}),
+        fast_tier_job("elastictrain-fast", fast_url, args, length),
+        fast_tier_job("elastictrain-warm", f"{fast_url}-warm", args, length, warm=True),
     ]
     chosen = [job for job in jobs if job.name in args.jobs]
     shift = repeat % len(chosen) if chosen else 0
     return chosen[shift:] + chosen[:shift]
+
+
+def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: dict, warm: bool = False) -> Job:
+    """Durable snapshots every --every-steps, node-local copies every --fast-every-steps, both written in the background."""
+    return Job(name, "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput", warm=warm,
+               config={"snapshot": {"every_steps": args.every_steps, "async_write": True, "local_url": fast_url,
+                                    "local_every_steps": args.fast_every_steps}})
 
 
 def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
@@ -119,7 +122,8 @@ def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={WORLD_SIZE}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1",
-        *(["-m", "elastictrain.warmstart"] if job.warm else []), str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
+        *(["-m", "elastictrain.warmstart"] if job.warm else []),
+        str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
         f"--epoch-steps={job.epoch_steps}", f"--config={json.dumps(job.config)}",
     ]
 

@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 
+from elastictrain.warmstart import process_started_unix
 from tests.helpers import procs
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -81,21 +82,11 @@ JOBS = {
         "fast_tier": True, "modes": ("elastictrain",),
         "snapshot_step": 5, "kill_at_step": 7,
     },
-    # Warm restarts: torchrun starts -m elastictrain.warmstart before the worker, so the restarted
-    # workers are forked from a preloaded interpreter (torch, torch._dynamo, elastictrain imported).
-    "default job + warm start": {
-        "elastictrain": ["task.factory=benchmarks._timed_task:spirals", "train.log_every_steps=1", "log.plots=false"],
-        "warm": True, "modes": ("elastictrain",),
-        "snapshot_step": 100, "kill_at_step": 110,
-    },
-    "~200 MB state + fast tier + warm start": {
-        "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
-                         "snapshot.every_steps=5", "snapshot.local_every_steps=1", "train.log_every_steps=1",
-                         "log.plots=false"],
-        "fast_tier": True, "warm": True, "modes": ("elastictrain",),
-        "snapshot_step": 5, "kill_at_step": 7,
-    },
 }
+# Warm restarts: the same jobs with torchrun starting -m elastictrain.warmstart before the worker, so
+# the restarted workers are forked from a preloaded interpreter (torch, torch._dynamo, elastictrain).
+JOBS["default job + warm start"] = {**JOBS["default job"], "warm": True, "modes": ("elastictrain",)}
+JOBS["~200 MB state + fast tier + warm start"] = {**JOBS["~200 MB state + fast tier"], "warm": True}
 MODES = ("elastictrain", "textbook")
 PHASES = ("detect", "stop", "rendezvous", "start", "build", "init", "wrap", "read", "load", "first_step")
 START_TIMEOUT_S = 300.0
@@ -189,13 +180,11 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
 
 
 def process_start_unix(pid: int) -> float | None:
-    """When ``pid`` started, to the clock tick (10 ms): boot time from /proc/uptime, not btime's whole seconds."""
+    """When ``pid`` started, to the clock tick (10 ms); None if it is gone."""
     try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot_unix = time.time() - float(pathlib.Path("/proc/uptime").read_text().split()[0])
+        return process_started_unix(pid)
     except OSError:
         return None
-    return boot_unix + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def restored_step(mode: str, output: str) -> int | None:

@@ -274,8 +274,9 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
     exit_like(ended["status"])
 
 
-def process_started_unix() -> float:
-    with open("/proc/self/stat", "rb") as stat_file:
+def process_started_unix(pid: int | str = "self") -> float:
+    """When process ``pid`` was created (fork or exec), as a unix time: field 22 of /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as stat_file:
         raw = stat_file.read().decode()
     start_ticks = int(raw[raw.rfind(")") + 2:].split()[19])
     age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
