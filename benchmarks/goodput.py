@@ -201,6 +201,9 @@ def run_job(job: Job, repeat: int, scratch: pathlib.Path, args: argparse.Namespa
             shutil.rmtree(job.fast_tier_url.rsplit("/", 1)[0], ignore_errors=True)
     if launched.leftover_pids():
         raise RuntimeError(f"{job.name}: pids {launched.leftover_pids()} survived SIGKILL")
+    if job.warm:  # the preloaded interpreter and the workers forked from it are no descendants of the agent,
+        # and their command line is the server's, naming its socket (with the agent's pid), not WORKER
+        procs.ensure_none_running(pathlib.Path(f"elastictrain-warm-{os.getuid()}-{launched.proc.pid}-"), f"after {label}")
     if outcome == "completed" and exit_code != 0:
         outcome = "failed"
     print(f"  {label}: {outcome} in {exit_unix - launch_unix:.1f} s with {len(kills)} kills", file=sys.stderr, flush=True)
