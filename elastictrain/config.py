@@ -94,6 +94,9 @@ class SnapshotConfig(_Section):
     # snapshot any node or the durable store holds. None: off.
     local_url: str | None = None
     local_every_steps: NonNegativeInt = 0  # 0: only at durable snapshots (when local_url is set)
+    # Also every so many seconds (rank 0's clock; 0: off), or "auto": Young/Daly's interval
+    # sqrt(2 x cost x time between failures), both measured in this run (elastictrain/cadence.py).
+    local_every_seconds: NonNegativeFloat | Literal["auto"] = 0.0
     local_keep_last: PositiveInt = 2
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import dist
+from .cadence import FastTierTimer
 from .config import Config, load_config
 from .data import (
     EvalBatchSampler,
@@ -96,8 +97,9 @@ def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> S
     if snapshot_due:
         return State.SNAPSHOT
     local_due = (
-        not finished and plan.local_every_steps > 0 and progress.global_step > 0 and not snapshot_taken
-        and progress.global_step % plan.local_every_steps == 0 and progress.last_local_snapshot_step != progress.global_step
+        not finished and progress.global_step > 0 and not snapshot_taken
+        and progress.last_local_snapshot_step != progress.global_step
+        and (requests.local_snapshot or (plan.local_every_steps > 0 and progress.global_step % plan.local_every_steps == 0))
     )
     if local_due:
         return State.LOCAL_SNAPSHOT
@@ -232,6 +234,7 @@ class Trainer:
         self.ctx: dist.DistContext | None = None
         self.snapshots: Snapshotter | None = None
         self.local_snapshots: Snapshotter | None = None
+        self.fast_timer: FastTierTimer | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self.signals.install()
         try:
@@ -334,6 +337,11 @@ class Trainer:
             self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
             self.cfg.snapshot.local_every_steps if self.local_snapshots else 0,
         )
+        # Rank 0's clock for timed fast copies (snapshot.local_every_seconds); the vote carries it to every rank.
+        timer = FastTierTimer(self.cfg.snapshot.local_every_seconds)
+        if self.local_snapshots is not None and self.ctx.is_main and timer.enabled:
+            self.fast_timer = timer
+            self.events.add(timer)
         self.vote = StepVote(self.ctx, self.cfg.preempt.vote_every_s)
         self._train_sums = WeightedSums(self.ctx.device)
         self._batches: Iterator | None = None
@@ -365,8 +373,15 @@ class Trainer:
             restored=restored is not None,
         )
         self.events.restored(self.progress.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        if self.fast_timer is not None:
+            self.fast_timer.begin(self.run_log.attempts)
         self._interval = _Interval(self.progress.global_step, time.monotonic())
-        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+        return self._next_state(self.vote.settle(self._local_requests()))
+
+    def _next_state(self, requests: Requests) -> State:
+        if requests.preempt:  # recorded before the preemption snapshot: the next attempt reads this one as no failure
+            self.run_log.current["preempted"] = 1
+        return decide(self.progress, self.plan, requests)
 
     def _train(self) -> State:
         self.model.train()
@@ -396,12 +411,12 @@ class Trainer:
             requests = self.vote.post(self._local_requests)
             if requests.snapshot_failed:
                 self.snapshots.raise_write_failure()
-            next_state = decide(self.progress, self.plan, requests)
+            next_state = self._next_state(requests)
             if next_state is not State.TRAIN:
                 if self._train_sums.count:
                     self._reduce_train_metrics()
                 # Leave TRAIN with nothing in flight and everything every rank asked for.
-                return decide(self.progress, self.plan, requests | self.vote.settle(self._local_requests()))
+                return self._next_state(requests | self.vote.settle(self._local_requests()))
 
     def _evaluate(self) -> State:
         model = dist.unwrap(self.model)  # no DDP here: shards may be uneven, so no per-forward collective
@@ -424,7 +439,7 @@ class Trainer:
         log.info("evaluated at step %d (epoch %d): %s", self.progress.global_step, self.progress.epoch, _fmt(record))
         self.events.evaluated(self.progress.global_step, self.progress.epoch, record)
         self.model.train()
-        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+        return self._next_state(self.vote.settle(self._local_requests()))
 
     def _snapshot(self) -> State:
         self.progress.last_snapshot_step = self.progress.global_step
@@ -439,13 +454,13 @@ class Trainer:
         self._last_snapshot_time = time.monotonic()
         if report is not None:  # None: written in the background, reported when done
             self.events.snapshotted(report)
-        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+        return self._next_state(self.vote.settle(self._local_requests()))
 
     def _local_snapshot(self) -> State:
         self.progress.last_local_snapshot_step = self.progress.global_step
         self.run_log.current["wall_s"] = time.monotonic() - self._started
         self._local_report(self.local_snapshots.save(self.progress.global_step, self._snapshot_meta()))
-        return decide(self.progress, self.plan, self.vote.settle(self._local_requests()))
+        return self._next_state(self.vote.settle(self._local_requests()))
 
     def _local_report(self, report: SnapshotReport | None) -> None:
         if report is not None:  # None: not this node's writer, or written in the background
@@ -492,7 +507,8 @@ class Trainer:
                 for report in snapshots.poll():  # background writes finished since the last vote
                     self.events.snapshotted(report)
         return Requests(preempt=self.signals.requested is not None, snapshot=timer_fired,
-                        snapshot_failed=self.ctx.is_main and self.snapshots.write_failed)
+                        snapshot_failed=self.ctx.is_main and self.snapshots.write_failed,
+                        local_snapshot=self.fast_timer is not None and self.fast_timer.due())
 
     def _flush_snapshots(self, ending: State) -> None:
         for report in self.snapshots.flush():

@@ -37,6 +37,7 @@ class Requests:
     preempt: bool = False  # a preemption signal reached some rank
     snapshot: bool = False  # rank 0's snapshot.every_seconds timer fired
     snapshot_failed: bool = False  # rank 0's background snapshot write failed for good: every rank stops
+    local_snapshot: bool = False  # rank 0's fast-tier timer fired (snapshot.local_every_seconds)
 
     def __or__(self, other: "Requests") -> "Requests":
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})

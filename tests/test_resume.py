@@ -8,6 +8,7 @@ rank in the same order, with torchrun restarting exactly once per kill.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 
@@ -68,6 +69,32 @@ def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_ste
     if fast_every:  # step 60 from memory, though the durable store has only step 50
         assert f"restored step {last_snapshot} from the node-local tier of node 0 (rank 0)" in result.output
     assert result.summary["restart"] == "1"
+    assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
+        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+
+
+def test_timed_fast_copies_at_agreed_steps_restore_bitwise_after_a_sigkill(tmp_path, reference):
+    """snapshot.local_every_seconds=auto: rank 0's timer, carried by the vote, takes fast copies at
+    steps every rank agrees on (no step interval and no durable snapshot before the kill)."""
+    ref_result, ref_traces, _ = reference
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
+                                       "snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}",
+                                       "snapshot.local_every_seconds=auto"])
+    pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+
+    result = parse_job(job.output())
+    restored = re.findall(r"restored step (\d+) from the node-local tier of node 0", result.output)
+    assert len(restored) == 1 and 0 < int(restored[0]) < 150, result.output[-4000:]
+    assert start_steps(result.output) == [0, int(restored[0])]
+    # Young/Daly's interval from the measured cost: first with no failure, then with the kill counted.
+    assert re.search(r"a0\] INFO fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: \d+ ms a copy, "
+                     r"0 failure\(s\)", result.output), result.output[-4000:]
+    assert re.search(r"a1\] INFO fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: \d+ ms a copy, "
+                     r"1 failure\(s\)", result.output), result.output[-4000:]
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
     for rank in (0, 1):
         stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))

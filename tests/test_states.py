@@ -49,7 +49,9 @@ def test_illegal_transition_raises_naming_both_states(path, bad):
 
 
 NONE, TIMER, PREEMPT = Requests(), Requests(snapshot=True), Requests(preempt=True)
+FAST_TIMER = Requests(local_snapshot=True)  # rank 0's fast-tier timer (snapshot.local_every_seconds)
 PLAN = Plan(max_epochs=2, max_steps=None, eval_every_epochs=1, has_val_data=True, snapshot_every_steps=10, snapshot_on_done=True)
+FAST = Plan(2, None, 1, True, 10, True, local_every_steps=4)  # the fast tier every 4 steps too
 
 
 def progress(**counters) -> Progress:
@@ -87,6 +89,23 @@ def progress(**counters) -> Progress:
          State.PREEMPTED),
         ({"global_step": 7, "epoch_offset": 7}, PLAN, PREEMPT | TIMER, State.SNAPSHOT),
         ({}, PLAN, TIMER, State.TRAIN),  # a fresh start needs no timed snapshot at step 0
+        # the fast tier: every local_every_steps, or when rank 0's timer fired
+        ({"global_step": 8, "epoch_offset": 8}, FAST, NONE, State.LOCAL_SNAPSHOT),
+        ({"global_step": 8, "epoch_offset": 8, "last_local_snapshot_step": 8}, FAST, NONE, State.TRAIN),
+        ({"global_step": 7, "epoch_offset": 7}, FAST, NONE, State.TRAIN),
+        ({"global_step": 7, "epoch_offset": 7}, FAST, FAST_TIMER, State.LOCAL_SNAPSHOT),
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, FAST_TIMER, State.LOCAL_SNAPSHOT),  # the timer alone
+        ({"global_step": 7, "epoch_offset": 7, "last_local_snapshot_step": 7}, PLAN, FAST_TIMER, State.TRAIN),
+        ({}, PLAN, FAST_TIMER, State.TRAIN),  # nothing to copy at step 0
+        ({"global_step": 10, "epoch_offset": 10}, PLAN, FAST_TIMER, State.SNAPSHOT),  # a durable one is a fast one too
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, FAST_TIMER | TIMER, State.SNAPSHOT),
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, FAST_TIMER | PREEMPT, State.SNAPSHOT),
+        ({"global_step": 12, "epoch": 1}, PLAN, FAST_TIMER, State.EVALUATE),  # the epoch's evaluation first
+        # finished: the final snapshot, never a fast copy the run is about to give back
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24, "last_snapshot_step": 24}, PLAN, FAST_TIMER,
+         State.DONE),
+        ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24}, Plan(2, None, 1, True, 0, False), FAST_TIMER,
+         State.DONE),
     ],
 )
 def test_decide(counters, plan, requested, expected):

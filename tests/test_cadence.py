@@ -1,0 +1,102 @@
+"""The fast tier's timer (elastictrain/cadence.py): fixed and Young/Daly intervals, on a clock the test moves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elastictrain.cadence import FIRST_INTERVAL_S, FastTierTimer, failures_and_exposure, young_daly_interval_s
+from elastictrain.events import SnapshotReport
+from elastictrain.states import State
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def attempt(wall_s: float, preempted: int = 0) -> dict:
+    return {"restart_count": 0, "world_size": 2, "start_step": 0, "started_unix": 0.0, "launcher": "torchrun",
+            "reason": "fresh", "preempted": preempted, "wall_s": wall_s}
+
+
+@pytest.mark.parametrize("cost_s, mtbf_s, expected_s", [
+    (0.05, 60.0, math.sqrt(6.0)),  # 50 ms a copy, a failure a minute: every 2.45 s
+    (0.2, 3600.0, 37.947),  # 200 ms, a failure an hour
+    (0.0, 60.0, 0.0),
+])
+def test_young_daly_interval(cost_s, mtbf_s, expected_s):
+    assert young_daly_interval_s(cost_s, mtbf_s) == pytest.approx(expected_s, abs=1e-3)
+
+
+@pytest.mark.parametrize("attempts, current_s, expected", [
+    ([attempt(0.0)], 12.0, (0, 12.0)),  # the first attempt: nothing failed yet
+    ([attempt(50.0), attempt(0.0)], 5.0, (1, 55.0)),
+    ([attempt(50.0), attempt(40.0, preempted=1), attempt(0.0)], 5.0, (1, 95.0)),  # a preemption loses nothing
+    ([attempt(50.0), attempt(40.0), attempt(30.0), attempt(99.0)], 0.0, (3, 120.0)),  # the current one's own record is not used
+])
+def test_failures_and_exposure_from_the_run_log(attempts, current_s, expected):
+    assert failures_and_exposure(attempts, current_s) == expected
+
+
+def test_a_fixed_interval_counts_from_the_last_fast_copy_of_either_kind():
+    clock = Clock()
+    timer = FastTierTimer(2.0, clock)
+    timer.begin([attempt(0.0)])
+    clock.now += 1.9
+    assert not timer.due()
+    clock.now += 0.1
+    assert timer.due()
+    timer.transition(State.TRAIN, State.LOCAL_SNAPSHOT, 40)
+    assert not timer.due()
+    clock.now += 1.5
+    timer.transition(State.TRAIN, State.SNAPSHOT, 50)  # a durable snapshot writes a fast copy too
+    clock.now += 1.5
+    assert not timer.due()
+    timer.transition(State.TRAIN, State.EVALUATE, 60)
+    clock.now += 0.5
+    assert timer.due()
+
+
+def test_off_is_never_due():
+    clock = Clock()
+    timer = FastTierTimer(0.0, clock)
+    clock.now += 1e6
+    assert not timer.enabled and not timer.due()
+
+
+def test_auto_takes_young_daly_from_the_measured_cost_and_the_runs_failures():
+    clock = Clock()
+    timer = FastTierTimer("auto", clock)
+    # A restart: two earlier attempts failed after 50 s and 40 s of training (up to their last snapshot).
+    timer.begin([attempt(50.0), attempt(40.0), attempt(0.0)])
+    assert timer.interval_s() == FIRST_INTERVAL_S  # no cost measured yet: an early first copy, to measure it
+    clock.now += 30.0
+    # Blocked plus written in the background; the durable tier's, and a copy that failed, are not this tier's cost.
+    timer.snapshotted(SnapshotReport(10, True, duration_s=0.02, write_s=0.04, tier="local"))
+    timer.snapshotted(SnapshotReport(10, True, duration_s=5.0, write_s=5.0, tier="durable"))
+    timer.snapshotted(SnapshotReport(11, False, duration_s=5.0, tier="local", error="disk full"))
+    assert timer.cost_s() == pytest.approx(0.06)
+    mtbf = (50.0 + 40.0 + 30.0) / 2
+    assert timer.mtbf_s() == pytest.approx(mtbf)
+    assert timer.interval_s() == pytest.approx(math.sqrt(2 * 0.06 * mtbf))
+    # The median of the recent costs: one slow write does not move it.
+    for duration in (0.02, 0.02, 3.0):
+        timer.snapshotted(SnapshotReport(12, True, duration_s=duration, write_s=0.04, tier="local"))
+    assert timer.cost_s() == pytest.approx(0.06)
+
+
+def test_auto_before_any_failure_grows_with_the_time_trained():
+    clock = Clock()
+    timer = FastTierTimer("auto", clock)
+    timer.begin([attempt(0.0)])
+    timer.snapshotted(SnapshotReport(5, True, duration_s=0.05, tier="local"))
+    clock.now += 60.0
+    at_a_minute = timer.interval_s()
+    clock.now += 3540.0
+    assert at_a_minute == pytest.approx(math.sqrt(2 * 0.05 * 60.0))
+    assert timer.interval_s() == pytest.approx(math.sqrt(2 * 0.05 * 3600.0))  # 19 s after an hour without one
