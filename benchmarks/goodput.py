@@ -16,8 +16,11 @@ from one repeat to the next:
   model, optimizer and epoch to one file; a restarted attempt loads it and starts the next epoch;
 - ``elastictrain``: its defaults, a durable snapshot every ``--every-steps`` (100) steps,
   written while training waits;
-- ``elastictrain-fast``: the same plus the fast tier, a node-local copy every
-  ``--fast-every-steps`` (25) under ``--fast-dir`` (/dev/shm), and ``snapshot.async_write=true``;
+- ``elastictrain-fast``: two tiers, as the README's "Snapshot tiers" sets them up: node-local
+  copies under ``--fast-dir`` (/dev/shm) every ``--fast-every-s`` (``auto``: Young/Daly's interval
+  from the measured cost and failure rate; ``--fast-every-steps`` adds a step interval), and the
+  durable tier every ``--fast-durable-every-s`` (120 s) instead of every 100 steps; written in
+  the background with ``--fast-async`` (default), while training waits without;
 - ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
   WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
 
@@ -111,10 +114,12 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
 
 
 def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: dict, warm: bool = False) -> Job:
-    """Durable snapshots every --every-steps, node-local copies every --fast-every-steps, both written in the background."""
+    """Durable snapshots every --fast-durable-every-s, node-local copies every --fast-every-s (and --fast-every-steps)."""
+    every_s = args.fast_every_s if args.fast_every_s == "auto" else float(args.fast_every_s)
     return Job(name, "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput", warm=warm,
-               config={"snapshot": {"every_steps": args.every_steps, "async_write": True, "local_url": fast_url,
-                                    "local_every_steps": args.fast_every_steps}})
+               config={"snapshot": {"every_steps": 0, "every_seconds": args.fast_durable_every_s,
+                                    "async_write": args.fast_async, "local_url": fast_url,
+                                    "local_every_steps": args.fast_every_steps, "local_every_seconds": every_s}})
 
 
 def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
@@ -342,7 +347,12 @@ def main() -> None:
     parser.add_argument("--reference-steps", type=int, default=400, help="steps of each unbroken reference run")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between SIGKILLs, from launch")
     parser.add_argument("--every-steps", type=int, default=100, help="elastictrain's durable snapshot.every_steps")
-    parser.add_argument("--fast-every-steps", type=int, default=25, help="snapshot.local_every_steps of the fast tier")
+    parser.add_argument("--fast-every-steps", type=int, default=0, help="snapshot.local_every_steps of the fast tier")
+    parser.add_argument("--fast-every-s", default="auto", help="snapshot.local_every_seconds of the fast tier (seconds or auto)")
+    parser.add_argument("--fast-durable-every-s", type=float, default=120.0,
+                        help="snapshot.every_seconds of the durable tier in the fast-tier jobs (their every_steps is 0)")
+    parser.add_argument("--fast-async", action=argparse.BooleanOptionalAction, default=True,
+                        help="snapshot.async_write in the fast-tier jobs")
     parser.add_argument("--fast-dir", default="/dev/shm", help="where the fast tier lives (node-local)")
     parser.add_argument("--jobs", default=",".join(FAULTED_JOBS), help="faulted jobs, comma separated")
     parser.add_argument("--repeats", type=int, default=1, help="each repeat runs every job, the faulted ones rotated")
@@ -400,7 +410,9 @@ def main() -> None:
         "settings": {
             "epochs": args.epochs, "epoch_s": args.epoch_s, "epoch_steps_by_repeat": epoch_steps_by_repeat,
             "reference_steps": args.reference_steps, "kill_every_s": args.kill_every, "every_steps": args.every_steps,
-            "fast_every_steps": args.fast_every_steps, "fast_dir": args.fast_dir, "repeats": args.repeats,
+            "fast_every_steps": args.fast_every_steps, "fast_every_s": args.fast_every_s,
+            "fast_durable_every_s": args.fast_durable_every_s, "fast_async": args.fast_async,
+            "fast_dir": args.fast_dir, "repeats": args.repeats,
             "seed": args.seed, "world_size": WORLD_SIZE, "batch_size_per_rank": 32,
             "model": "4 x (Linear(1024, 1024) + ReLU) + Linear(1024, 10), AdamW",
             "torchrun": torchrun_command(Job("<job>", "<loop>", False, 0, 0), pathlib.Path("<workdir>"))[1:],

@@ -357,6 +357,10 @@ class Trainer:
 
     def _restore(self) -> State:
         restored = self.snapshots.restore(self.local_snapshots)
+        # snapshot.every_seconds counts from the durable store's newest snapshot, not from this attempt:
+        # a job that fails more often than the interval still gets its durable snapshots.
+        durable = self.snapshots.last_committed
+        self._last_snapshot_time = time.monotonic() - (max(time.time() - durable[1], 0.0) if durable else 0.0)
         if restored is None:
             seed_rng(self.cfg.run.seed + self.ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)

@@ -106,3 +106,21 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
     # Step 10 is durable and fast; the run ends at 12 with no final snapshot of either tier.
     assert reports.seen == [("local", 4, True), ("local", 8, True), ("local", 10, True), ("durable", 10, True)]
     assert not (tmp_path / "shm" / "default").exists(), "DONE gives the node's memory back"
+
+
+def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path):
+    """A job that fails more often than snapshot.every_seconds still gets durable snapshots: a restart
+    restored from a fast copy does not start the durable timer again."""
+    import time
+
+    durable = memory_url()
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27).fit()
+    assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [10, 20]
+    time.sleep(2.5)  # the durable store's newest (step 20) is now older than the interval below
+    resumed = trainer(tmp_path, durable, max_steps=40, every_steps=0, every_seconds=2.0)
+    resumed.fit()
+    # Restored from the fast copy at 24 with the durable timer already due: the restored step goes
+    # to the durable store at once. Counted from the restart instead, the next durable snapshot
+    # would be 2 s of ~ms steps away: none before the final one at 40.
+    assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [20, 24, 40]
