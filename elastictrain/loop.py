@@ -357,10 +357,6 @@ class Trainer:
 
     def _restore(self) -> State:
         restored = self.snapshots.restore(self.local_snapshots)
-        # snapshot.every_seconds counts from the durable store's newest snapshot, not from this attempt:
-        # a job that fails more often than the interval still gets its durable snapshots.
-        durable = self.snapshots.last_committed
-        self._last_snapshot_time = time.monotonic() - (max(time.time() - durable[1], 0.0) if durable else 0.0)
         if restored is None:
             seed_rng(self.cfg.run.seed + self.ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.snapshots.url, self.ctx.world_size)
@@ -377,6 +373,11 @@ class Trainer:
             restored=restored is not None,
         )
         self.events.restored(self.progress.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        # snapshot.every_seconds counts from the durable store's newest snapshot (the run's first start
+        # while it has none), not from this attempt: a job failing more often still gets durable snapshots.
+        durable = self.snapshots.last_committed
+        since_unix = durable[1] if durable else self.run_log.attempts[0].get("started_unix", self._started_unix)
+        self._last_snapshot_time = time.monotonic() - max(time.time() - since_unix, 0.0)
         if self.fast_timer is not None:
             self.fast_timer.begin(self.run_log.attempts)
         self._interval = _Interval(self.progress.global_step, time.monotonic())

@@ -124,3 +124,16 @@ def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restar
     # to the durable store at once. Counted from the restart instead, the next durable snapshot
     # would be 2 s of ~ms steps away: none before the final one at 40.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [20, 24, 40]
+
+
+def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store_has_none(tmp_path):
+    import time
+
+    durable = memory_url()
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27, every_steps=0, every_seconds=2.0).fit()
+    assert SnapshotStore(durable).list_snapshots() == []  # every attempt ended before the interval
+    time.sleep(2.5)
+    trainer(tmp_path, durable, max_steps=40, every_steps=0, every_seconds=2.0).fit()
+    # The run started over 2 s ago: the restored fast copy (step 24) goes to the durable store at once.
+    assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [24, 40]
