@@ -8,7 +8,7 @@ each part is sqrt(C / (2 M)). ``snapshot.local_every_seconds: auto`` takes both 
 - C: the median cost of this node's last fast snapshots, training's wait plus the background
   write (the write's whole wall time: on busy cores it takes that much from training, on idle
   ones less, so T errs long, where the loss curve is flattest);
-- M: the run's failures so far over its training time (``failures_and_exposure``). Before the
+- M: the run's training time over its failures so far (``failures_and_exposure``). Before the
   first failure M is the time trained so far, so T grows as sqrt(2 C t) while nothing fails,
   and the snapshots taken by time t cost about T(t) seconds in all.
 

@@ -78,7 +78,8 @@ class DataConfig(_Section):
 class SnapshotConfig(_Section):
     url: str | None = None  # any fsspec URL; default <run dir>/snapshots
     every_steps: NonNegativeInt = 100  # 0: off
-    every_seconds: NonNegativeFloat = 0.0  # 0: off; rank 0's clock, from the newest durable snapshot (or the run's start), across restarts
+    # 0: off; rank 0's clock, from the newest durable snapshot (or the run's first start), across restarts
+    every_seconds: NonNegativeFloat = 0.0
     keep_last: PositiveInt = 3
     on_done: bool = True  # write a final snapshot when training finishes
     resume: bool = True  # restore the newest valid snapshot at start

@@ -136,7 +136,7 @@ class Snapshotter:
                 self._lease.start()
                 if self.cfg.snapshot.resume:
                     found = self.store.latest_valid(newer_than=newest_local)
-                    if found is None:  # a fast copy or nothing: still, the durable store's newest is what timed snapshots count from
+                    if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
                         committed = [s.manifest for s in self.store.list_snapshots() if s.manifest is not None]
                         self.last_committed = (committed[-1].step, committed[-1].created_unix) if committed else None
                 elif self.store.list_snapshots():
