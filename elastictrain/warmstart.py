@@ -114,7 +114,12 @@ def server_base(target: Target, agent_pid: int) -> str:
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(KEY_ENV_PREFIXES))
     material = json.dumps([sys.executable, sys.flags[:], os.getcwd(), list(target.preload), environment])
     key = hashlib.sha256(material.encode()).hexdigest()[:12]
-    return os.path.join(runtime_dir(), f"elastictrain-warm-{os.getuid()}-{agent_pid}-{key}")
+    return server_prefix(agent_pid) + key
+
+
+def server_prefix(agent_pid: int) -> str:
+    """What the paths of every server of this user and torchrun agent start with (the server's command line names them)."""
+    return os.path.join(runtime_dir(), f"elastictrain-warm-{os.getuid()}-{agent_pid}-")
 
 
 def runtime_dir() -> str:

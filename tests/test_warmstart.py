@@ -10,6 +10,7 @@ The parts outside torchrun (arguments, exit statuses, the cold path) are tested 
 
 from __future__ import annotations
 
+import glob
 import os
 import pathlib
 import re
@@ -20,7 +21,7 @@ import time
 
 import pytest
 
-from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, runtime_dir
+from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, server_prefix
 from tests.conftest import REPO_ROOT, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -137,4 +138,4 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
         assert stitch(read_traces(tmp_path / "trace", rank), steps) == reference_run.traces[rank]
     assert paused != last_child
     wait_gone(servers.pop(), timeout_s=5.0)  # the preloaded interpreter leaves with its agent
-    assert not list(pathlib.Path(runtime_dir()).glob(f"elastictrain-warm-{os.getuid()}-{job.proc.pid}-*"))
+    assert not glob.glob(server_prefix(job.proc.pid) + "*")
