@@ -51,7 +51,7 @@ from .snapshotter import Snapshotter
 from .states import State, StateMachine
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
 from .task import PendingScheduler, Task, load_task, split_loss
-from .vote import Requests, StepVote
+from .vote import NOTHING, Requests, StepVote
 from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger("elastictrain")
@@ -465,7 +465,9 @@ class Trainer:
         self.progress.last_local_snapshot_step = self.progress.global_step
         self.run_log.current["wall_s"] = time.monotonic() - self._started
         self._local_report(self.local_snapshots.save(self.progress.global_step, self._snapshot_meta()))
-        return self._next_state(self.vote.settle(self._local_requests()))
+        # No vote here: the ranks agreed on everything when they left TRAIN, nothing is in flight, and
+        # a request raised during the copy is read at the next voting step (a collective saved per copy).
+        return self._next_state(NOTHING)
 
     def _local_report(self, report: SnapshotReport | None) -> None:
         if report is not None:  # None: not this node's writer, or written in the background

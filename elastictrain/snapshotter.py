@@ -96,7 +96,8 @@ class Snapshotter:
         self.ctx = ctx
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
-        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s)
+        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,
+                                   recycle_keep_last=self.keep_last if tier == "local" else 0)
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
@@ -274,7 +275,7 @@ class Snapshotter:
         started = time.monotonic()
         mine = {"rng": capture_rng(self.ctx.device), **{n: c.state_dict() for n, c in self.rank_statefuls.items()}}
         if self.tier == "local":
-            return self._save_local(step, all_gather(mine, self.ctx), meta, started)
+            return self._save_local(step, mine, meta, started)
         rank_states = gather_to_main(mine, self.ctx)
         outcome = None
         if self.ctx.is_main:
@@ -291,18 +292,24 @@ class Snapshotter:
             return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
-    def _save_local(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
-        """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node."""
+    def _save_local(self, step: int, mine: dict, meta: dict[str, Any], started: float) -> SnapshotReport | None:
+        """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node.
+
+        One exchange does both: every rank's RNG (and per-rank state) travels to every writer with
+        the writers' refusals (the previous copy failed for good, or the first does not fit).
+        """
         refused = None
         if self.is_writer:
             self._join_write()  # the previous fast copy: a crash of its writer stops every rank now
             if self._write_failed is not None:
                 refused = ("StorageError", self._write_failed)
             elif not self._size_checked:
-                fits = self._check_fits(rank_states)
+                fits = self._check_fits([mine] * self.ctx.world_size)  # the size, from this rank's share
                 refused = None if fits is None else ("ConfigError", fits)
                 self._size_checked = True
-        refusals = [r for r in all_gather(refused, self.ctx) if r is not None]
+        exchanged = all_gather((mine, refused), self.ctx)
+        rank_states = [ranks for ranks, _ in exchanged]
+        refusals = [r for _, r in exchanged if r is not None]
         if refusals:
             if self._write_crash is not None:
                 raise self._write_crash  # a bug in the writer keeps its traceback on its rank

