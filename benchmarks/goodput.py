@@ -19,8 +19,10 @@ from one repeat to the next:
 - ``elastictrain-fast``: two tiers, as the README's "Snapshot tiers" sets them up: node-local
   copies under ``--fast-dir`` (/dev/shm) every ``--fast-every-s`` (``auto``: Young/Daly's interval
   from the measured cost and failure rate; ``--fast-every-steps`` adds a step interval), and the
-  durable tier every ``--fast-durable-every-s`` (120 s) instead of every 100 steps; written in
-  the background with ``--fast-async`` (default), while training waits without;
+  durable tier every ``--fast-durable-every-s`` (120 s) instead of every 100 steps; durable
+  snapshots written in the background with ``--fast-async`` (default), while training waits
+  without; fast copies while training waits (``--no-fast-local-async``, the default: on two busy
+  cores a background write only competes with the step) or in the background;
 - ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
   WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
 
@@ -119,7 +121,8 @@ def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: di
     every_s = args.fast_every_s if args.fast_every_s == "auto" else float(args.fast_every_s)
     return Job(name, "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput", warm=warm,
                config={"snapshot": {"every_steps": 0, "every_seconds": args.fast_durable_every_s,
-                                    "async_write": args.fast_async, "local_url": fast_url,
+                                    "async_write": args.fast_async, "local_async_write": args.fast_local_async,
+                                    "local_url": fast_url,
                                     "local_every_steps": args.fast_every_steps, "local_every_seconds": every_s}})
 
 
@@ -354,6 +357,8 @@ def main() -> None:
                         help="snapshot.every_seconds of the durable tier in the fast-tier jobs (their every_steps is 0)")
     parser.add_argument("--fast-async", action=argparse.BooleanOptionalAction, default=True,
                         help="snapshot.async_write in the fast-tier jobs")
+    parser.add_argument("--fast-local-async", action=argparse.BooleanOptionalAction, default=False,
+                        help="snapshot.local_async_write in the fast-tier jobs")
     parser.add_argument("--fast-dir", default="/dev/shm", help="where the fast tier lives (node-local)")
     parser.add_argument("--jobs", default=",".join(FAULTED_JOBS), help="faulted jobs, comma separated")
     parser.add_argument("--repeats", type=int, default=1, help="each repeat runs every job, the faulted ones rotated")
@@ -413,6 +418,7 @@ def main() -> None:
             "reference_steps": args.reference_steps, "kill_every_s": args.kill_every, "every_steps": args.every_steps,
             "fast_every_steps": args.fast_every_steps, "fast_every_s": args.fast_every_s,
             "fast_durable_every_s": args.fast_durable_every_s, "fast_async": args.fast_async,
+            "fast_local_async": args.fast_local_async,
             "fast_dir": args.fast_dir, "repeats": args.repeats,
             "seed": args.seed, "world_size": WORLD_SIZE, "batch_size_per_rank": 32,
             "model": "4 x (Linear(1024, 1024) + ReLU) + Linear(1024, 10), AdamW",

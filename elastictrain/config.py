@@ -99,6 +99,10 @@ class SnapshotConfig(_Section):
     # sqrt(2 x cost x time between failures), both measured in this run (elastictrain/cadence.py).
     local_every_seconds: NonNegativeFloat | Literal["auto"] = 0.0
     local_keep_last: PositiveInt = 2
+    # The fast tier in the background too? None: as async_write. A fast copy into tmpfs is memory
+    # bandwidth, with no disk to wait on: where the CPU cores are all busy training, a background
+    # write only competes with the step, and false costs less (benchmarks/README.md).
+    local_async_write: bool | None = None
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
     # data.shuffle); a key here also accepts every key below it.

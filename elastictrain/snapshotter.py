@@ -101,8 +101,9 @@ class Snapshotter:
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
-        # snapshot.async_write: rank 0 stages into reused buffers and writes in a thread, one at a time.
-        self.asynchronous = cfg.snapshot.async_write
+        # snapshot.async_write (the fast tier: local_async_write): stage into reused buffers, write in a thread, one at a time.
+        local_async = cfg.snapshot.local_async_write
+        self.asynchronous = cfg.snapshot.async_write if tier == "durable" or local_async is None else local_async
         self._stager = Stager()
         self._in_flight: BackgroundWrite | None = None
         self._write_failed: str | None = None  # a background write failed for good: the run stops

@@ -108,6 +108,25 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
     assert not (tmp_path / "shm" / "default").exists(), "DONE gives the node's memory back"
 
 
+@pytest.mark.parametrize("local_async_write, fast_in_background", [(None, True), (False, False)])
+def test_the_fast_tier_writes_in_the_background_as_async_write_unless_told_otherwise(tmp_path, local_async_write,
+                                                                                   fast_in_background):
+    from elastictrain.events import Observer
+
+    class Reports(Observer):
+        def __init__(self) -> None:
+            self.background = {}
+
+        def snapshotted(self, report) -> None:  # a background write reports its own seconds apart from the wait
+            self.background.setdefault(report.tier, set()).add(report.write_s > 0)
+
+    reports = Reports()
+    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local_async_write=local_async_write)
+    run.events.add(reports)
+    run.fit()
+    assert reports.background == {"durable": {True}, "local": {fast_in_background}}
+
+
 def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path):
     """A job that fails more often than snapshot.every_seconds still gets durable snapshots: a restart
     restored from a fast copy does not start the durable timer again."""
