@@ -66,8 +66,12 @@ class ElasticRun:
 
 
 def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictrain-c10d",
-                        endpoint: str | None = None, extra: list[str] = ()) -> ElasticRun:
-    """Node ``lost`` dies in step KILL_STEP and is back at GROW_STEP; the job runs to the end."""
+                        endpoint: str | None = None, extra: list[str] = (), after_kill=None) -> ElasticRun:
+    """Node ``lost`` dies in step KILL_STEP and is back at GROW_STEP; the job runs to the end.
+
+    ``after_kill``, if given, is called right after the kill (the survivor then waits seconds for the
+    lost node to be declared dead): a test can start other work there.
+    """
     trace_dir = workdir / "trace"
     trace_dir.mkdir(parents=True)
     overrides = [*JOB, *extra, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
@@ -82,6 +86,8 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
         nodes.launch(index, host_store=host_store(index))
     procs.wait_for_file(trace_dir / f"paused-rank{lost}-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[lost])
     nodes.kill(lost)  # the node is lost: agent and worker at once
+    if after_kill is not None:
+        after_kill()
 
     survivor = nodes.agents[1 - lost]
     survivor_pid = int(procs.wait_for_file(trace_dir / f"paused-rank0-call{GROW_CALL}.pid", TIMEOUT_S, survivor))
@@ -160,16 +166,21 @@ def test_on_etcd_the_node_of_rank_0_may_be_lost_and_the_bitwise_mode_ends_equal_
     bitwise = ["train.virtual_shards=2"]
     unbroken_dir = tmp_path / "unbroken"
     (unbroken_dir / "trace").mkdir(parents=True)
-    unbroken = procs.launch(
-        torchrun_command([*JOB, *bitwise, f"run.dir={unbroken_dir / 'run'}", f"task.args.trace_dir={unbroken_dir / 'trace'}"]),
-        log_path=unbroken_dir / "job.log", env={**job_env(), **ENV}, cwd=unbroken_dir)
-    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
+    started = []
+
+    def start_unbroken() -> None:  # in the seconds the survivor waits for the lost node to be declared dead
+        started.append(procs.launch(
+            torchrun_command([*JOB, *bitwise, f"run.dir={unbroken_dir / 'run'}", f"task.args.trace_dir={unbroken_dir / 'trace'}"]),
+            log_path=unbroken_dir / "job.log", env={**job_env(), **ENV}, cwd=unbroken_dir))
+
     etcd = EtcdServer(tmp_path)
     try:
         again = run_shrink_and_grow(tmp_path / "elastic", lost=0, backend="elastictrain-etcd-v2", endpoint=etcd.endpoint,
-                                    extra=bitwise)
+                                    extra=bitwise, after_kill=start_unbroken)
     finally:
         etcd.stop()
+    unbroken = started[0]
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
     assert attempts(again.workdir) == [(2, 0, 0), (1, SNAPSHOT_EVERY, 1), (2, GROW_STEP, 0)]
     output = again.result.output
     assert "world size 2 -> 1: 2 virtual shards of train.batch_size 16 kept (train.virtual_shards), 2 per rank" in output

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 from torch import nn
 
 from elastictrain.dist import DistContext, LaunchEnv
@@ -65,9 +64,10 @@ def _rank(rank: int, world: int, port: int, mode: str, dropout: float, results) 
 
 
 def on_ranks(world: int, mode: str, dropout: float) -> str:
+    from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
-    context = mp.get_context("spawn")
+    context = ranks.context()  # fresh processes, forked from a torch-preloaded server
     results = context.Queue()
     port = free_port()
     workers = [context.Process(target=_rank, args=(rank, world, port, mode, dropout, results)) for rank in range(world)]

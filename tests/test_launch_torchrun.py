@@ -31,7 +31,7 @@ def expected_steps(overrides: list[str], world_size: int) -> int:
 
 @pytest.mark.torchrun
 def test_two_agents_are_two_nodes_of_one_job(tmp_path):
-    overrides = [f"run.dir={tmp_path / 'run'}", "train.max_epochs=2"]
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.max_epochs=1"]
     nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="2", nproc_per_node=1)
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)

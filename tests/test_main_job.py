@@ -14,6 +14,7 @@ from tests.conftest import REPO_ROOT, job_env, parse_job, python_command, torchr
 from tests.helpers import procs
 
 TIMEOUT_S = 180
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # single processes side by side on two cores: one intra-op thread each
 
 
 @pytest.mark.torchrun
@@ -41,23 +42,25 @@ def test_main_job_learns_and_snapshots_along_the_way(tmp_path):
 def single_process(tmp_path: Path, extra: list[str]) -> list[str]:
     return python_command([
         "task.factory=tests.helpers.tasks:build", f"task.args.trace_dir={tmp_path / 'trace'}",
-        f"run.dir={tmp_path / 'run'}", "train.max_epochs=2", "snapshot.every_steps=20", *extra,
+        f"run.dir={tmp_path / 'run'}", "train.max_epochs=2", "snapshot.every_steps=20",
+        "log.plots=false", *extra,
     ])
 
 
 def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
     for name in ("ref", "faulted"):
         (tmp_path / name / "trace").mkdir(parents=True)
-    reference = procs.launch(single_process(tmp_path / "ref", []), log_path=tmp_path / "ref.log", env=job_env(), cwd=tmp_path)
-    assert reference.wait(TIMEOUT_S) == 0, reference.output()[-3000:]
+    # The reference and the first faulted run are single processes with directories of their own: side by side.
+    reference = procs.launch(single_process(tmp_path / "ref", []), log_path=tmp_path / "ref.log", env={**job_env(), **ONE_THREAD}, cwd=tmp_path)
 
     faulted_dir = tmp_path / "faulted"
     # The same command both times, as a user re-runs it; the pause happens once per job.
     command = single_process(faulted_dir, ["task.args.pause_rank=0", "task.args.pause_at_step=33"])
-    first = procs.launch(command, log_path=tmp_path / "first.log", env=job_env(), cwd=tmp_path)
+    first = procs.launch(command, log_path=tmp_path / "first.log", env={**job_env(), **ONE_THREAD}, cwd=tmp_path)
     procs.wait_for_file(faulted_dir / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
-    again = procs.launch(command, log_path=tmp_path / "again.log", env=job_env(), cwd=tmp_path)
+    assert reference.wait(TIMEOUT_S) == 0, reference.output()[-3000:]
+    again = procs.launch(command, log_path=tmp_path / "again.log", env={**job_env(), **ONE_THREAD}, cwd=tmp_path)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-3000:]
 
     result = parse_job(again.output())

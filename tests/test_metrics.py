@@ -7,7 +7,6 @@ import re
 import subprocess
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml

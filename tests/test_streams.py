@@ -29,6 +29,9 @@ STREAM = ["task.factory=tests.helpers.tasks:build_stream", "train.max_steps=1000
 def test_a_stream_killed_mid_epoch_resumes_bitwise_with_every_sample_once(tmp_path):
     (tmp_path / "ref").mkdir()
     reference = launch_job(tmp_path / "ref", "job", STREAM)
+    # The faulted job runs beside the reference (directories of their own); its kill waits for its pause.
+    same_command = [*STREAM, "task.args.pause_rank=1", "task.args.pause_at_step=70"]
+    job = launch_job(tmp_path, "job", same_command)
     assert reference.wait(TIMEOUT_S) == 0, reference.output()[-4000:]
     ref = parse_job(reference.output())
     assert ref.summary["step"] == "144" and ref.summary["epoch"] == "3"
@@ -36,8 +39,6 @@ def test_a_stream_killed_mid_epoch_resumes_bitwise_with_every_sample_once(tmp_pa
     for rank in (0, 1):  # each epoch: this rank's share once, its odd sample out dropped on rank 0
         assert len(ref_traces[rank]) == 144 and len({i for b in ref_traces[rank][:48] for i in b}) == 768
 
-    same_command = [*STREAM, "task.args.pause_rank=1", "task.args.pause_at_step=70"]
-    job = launch_job(tmp_path, "job", same_command)
     os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     output = job.output()

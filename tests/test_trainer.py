@@ -6,7 +6,6 @@ launcher is absent, which is what a user running `python train.py` gets.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys

@@ -6,7 +6,6 @@ import time
 
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 from elastictrain.dist import DistContext, LaunchEnv
 from elastictrain.vote import Requests, StepVote
@@ -36,9 +35,10 @@ def _rank(rank: int, port: int, every_s: float, step_s: float, results) -> None:
 
 
 def run_ranks(every_s: float, step_s: float) -> dict[int, tuple]:
+    from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
-    context = mp.get_context("spawn")
+    context = ranks.context()  # fresh processes, forked from a torch-preloaded server
     results = context.Queue()
     port = free_port()
     workers = [context.Process(target=_rank, args=(rank, port, every_s, step_s, results)) for rank in (0, 1)]

@@ -28,7 +28,7 @@ from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
 
-FAST_WATCHDOG = {"hang_timeout_s": 3, "heartbeat_every_s": 0.5}
+FAST_WATCHDOG = {"hang_timeout_s": 2, "heartbeat_every_s": 0.5}  # as the single-process test below
 HANG = re.compile(r"\[elastictrain r(\d) a0\] ERROR rank \d: no progress for [\d.]+ s in state (\w+) at step (\d+)[^;]*; (.*); exiting with code 75")
 
 
@@ -102,11 +102,11 @@ def test_a_single_process_whose_loss_function_never_returns_leaves_with_a_stack_
 
 def test_steps_slower_than_the_timeout_raise_no_alarm(tmp_path):
     """Each step takes 1.2 s, over the 0.8 s timeout: the allowance follows the measured step time."""
-    job = launch_watched(tmp_path, ["train.max_steps=4", "task.args.step_sleep_s=1.2"],
+    job = launch_watched(tmp_path, ["train.max_steps=3", "task.args.step_sleep_s=1.2"],
                          watchdog={"hang_timeout_s": 0.8, "heartbeat_every_s": 0.2, "first_step_s": 30})
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     output = job.output()
-    assert parse_job(output).summary["step"] == "4"
+    assert parse_job(output).summary["step"] == "3"
     assert "no progress" not in output and start_steps(output) == [0]
 
 

@@ -26,6 +26,7 @@ from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two single processes side by side on two cores
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 
@@ -122,19 +123,20 @@ def test_a_second_signal_during_the_snapshot_write_does_not_tear_it(tmp_path, re
 
 def test_ctrl_c_in_a_plain_python_run_stops_cleanly_and_resumes(tmp_path):
     """One process, no launcher: SIGINT is a preemption, not a page of KeyboardInterrupt tracebacks."""
-    unbroken = launch_job(tmp_path / "unbroken", "job", single_process=True) if (tmp_path / "unbroken").mkdir() is None else None
-    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
-
+    # The unbroken run and the interrupted one are single processes in directories of their own:
+    # they run side by side, one per core (one intra-op thread each, as torchrun gives its workers, in all three runs).
+    unbroken = launch_job(tmp_path / "unbroken", "job", single_process=True, env=ONE_THREAD) if (tmp_path / "unbroken").mkdir() is None else None
     same_command = ["task.args.pause_rank=0", "task.args.pause_at_step=50"]
-    job = launch_job(tmp_path, "first", same_command, single_process=True)
+    job = launch_job(tmp_path, "first", same_command, single_process=True, env=ONE_THREAD)
     pause_then(tmp_path, job, 0, lambda pid: os.kill(pid, signal.SIGINT))
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
     assert job.wait(TIMEOUT_S) == 143
     output = job.output()
     # Without a vote partner the request is seen at the boundary of the step it arrived in.
     assert [int(s) for s in PREEMPTED.findall(output)] == [50]
     assert "KeyboardInterrupt" not in output and "Traceback" not in output
 
-    again = launch_job(tmp_path, "second", same_command, single_process=True)
+    again = launch_job(tmp_path, "second", same_command, single_process=True, env=ONE_THREAD)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
     assert parse_job(again.output()).summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
     first, second = read_traces(tmp_path / "trace", 0)

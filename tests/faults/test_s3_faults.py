@@ -42,7 +42,7 @@ def assert_bitwise(workdir, reference, output: str) -> None:
 
 def test_an_s3_outage_longer_than_a_snapshot_interval_does_not_stop_training(tmp_path, reference_run, s3_server, s3_bucket):
     overrides = s3_overrides(s3_server, s3_bucket, connect_timeout=1, read_timeout=1) + [
-        "snapshot.retry_for_s=3", "task.args.pause_rank=0", "task.args.pause_at_step=40",
+        "snapshot.retry_for_s=2", "task.args.pause_rank=0", "task.args.pause_at_step=40",
     ]
     job = launch_job(tmp_path, "job", overrides)
     marker = tmp_path / "trace" / "paused-rank0.pid"
