@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from .config import load_config
-from .errors import ConfigError, ElastictrainError
+from .errors import ConfigError, ElastictrainError, PeerLost
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
 
@@ -26,9 +26,30 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except PeerLost as exc:
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        _leave_now(exc.exit_code)
     except ElastictrainError as exc:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _leave_now(code: int) -> None:
+    """End this worker without the interpreter's finalization: the launcher is restarting the group.
+
+    A rank that lost a peer has nothing left to do. ``fit()`` has already closed the snapshots
+    and torn down the process group. What remains is Python's finalization with torch loaded,
+    about 1 s here, and torchrun waits for it before it restarts anyone. When the launcher's
+    SIGTERM came before the peer's death was noticed, the signal was held for a preemption
+    snapshot that a broken group can no longer take, so nothing cuts that second short.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,59 @@
+"""A worker that lost a peer leaves at once: its line said, its output flushed, no finalization.
+
+``python -m elastictrain train`` is run in a subprocess whose training raises what ``fit()``
+raises when a collective breaks (``PeerLost``). An atexit handler stands for the interpreter's
+finalization, which with torch loaded took about 1 s here while torchrun waited for it
+(``benchmarks/recovery.py``'s stop column). The other errors keep a normal exit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO_ROOT, job_env
+
+WORKER = textwrap.dedent('''
+    import atexit, sys
+    from elastictrain import cli, errors
+
+    marker, error = sys.argv[1], sys.argv[2]
+
+    def train(config_path, overrides):
+        print("step 7 trained", end="\\n")  # block-buffered: stdout is a pipe
+        raise getattr(errors, error)("rank 0 lost a peer in state TRAIN at step 7 (Connection closed by peer); "
+                                     "the launcher restarts the group from the newest snapshot")
+
+    cli._train = train
+    atexit.register(lambda: open(marker, "w").write("finalized"))
+    sys.exit(cli.main(["train"]))
+''')
+
+
+def run_worker(tmp_path, error: str) -> tuple[subprocess.CompletedProcess, bool]:
+    marker = tmp_path / "finalized"
+    done = subprocess.run([sys.executable, "-c", WORKER, str(marker), error], capture_output=True, text=True,
+                          env=job_env(), cwd=REPO_ROOT, timeout=60)
+    return done, marker.exists()
+
+
+def test_a_rank_that_lost_a_peer_says_so_flushes_and_leaves_without_finalizing(tmp_path):
+    done, finalized = run_worker(tmp_path, "PeerLost")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "elastictrain: error: rank 0 lost a peer in state TRAIN at step 7 (Connection closed by peer); "
+        "the launcher restarts the group from the newest snapshot"
+    ]
+    assert done.stdout == "step 7 trained\n"
+    assert not finalized
+
+
+@pytest.mark.parametrize("error", ["SnapshotError", "StorageError"])
+def test_other_errors_end_the_interpreter_as_usual(tmp_path, error):
+    done, finalized = run_worker(tmp_path, error)
+    assert done.returncode == 1 and done.stdout == "step 7 trained\n"
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("elastictrain: error: ")
+    assert finalized
