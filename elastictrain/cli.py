@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import yaml
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _leave_now(code: int) -> None:
+def _leave_now(code: int) -> NoReturn:
     """End this worker without the interpreter's finalization: the launcher is restarting the group.
 
     A rank that lost a peer has nothing left to do. ``fit()`` has already closed the snapshots
