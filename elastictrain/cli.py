@@ -26,11 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except PeerLost as exc:
-        print(f"elastictrain: error: {exc}", file=sys.stderr)
-        _leave_now(exc.exit_code)
     except ElastictrainError as exc:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
+        if isinstance(exc, PeerLost):
+            _leave_now(exc.exit_code)
         return exc.exit_code
 
 
