@@ -12,9 +12,9 @@ from elastictrain.storage import SnapshotStore
 from elastictrain.snapshot import load_object
 from tests.conftest import REPO_ROOT, job_env, parse_job, python_command, torchrun_command, torchrun_launcher
 from tests.helpers import procs
+from tests.helpers.jobs import ONE_THREAD
 
 TIMEOUT_S = 180
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # single processes side by side on two cores: one intra-op thread each
 
 
 @pytest.mark.torchrun

@@ -23,7 +23,7 @@ from elastictrain.tasks import spirals
 
 from tests.conftest import parse_job
 from tests.helpers import procs
-from tests.helpers.jobs import SNAPSHOT_EVERY, TIMEOUT_S, launch_job, start_steps
+from tests.helpers.jobs import ONE_THREAD, SNAPSHOT_EVERY, TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
@@ -142,12 +142,12 @@ def test_restore_into_one_worker_reshards_the_interrupted_epoch(tmp_path):
     procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, first)
     first.kill_all()
     shutil.copytree(tmp_path / "run", tmp_path / "again" / "run")  # to make the same change once more
-    single = launch_job(tmp_path, "single", overrides, single_process=True, env={"OMP_NUM_THREADS": "1"})
+    single = launch_job(tmp_path, "single", overrides, single_process=True, env=ONE_THREAD)
     # Not bitwise equal to the two workers' run (README, "Elastic training"), but reproducible: the same
     # change at the same step re-seeds and sums the same way, and ends with the same parameters.
     # (its own trace directory and no pause: task.args that change no number; one process each, side by side)
     again = launch_job(tmp_path / "again", "single", ["task.args.lr_factory=true", "snapshot.accept_changes=[task.args]"],
-                       single_process=True, env={"OMP_NUM_THREADS": "1"})
+                       single_process=True, env=ONE_THREAD)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     result = parse_job(single.output())
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]

@@ -21,12 +21,11 @@ from elastictrain.storage import SnapshotStore
 from elastictrain.vote import MAX_STEPS_BETWEEN_VOTES
 from tests.conftest import parse_job
 from tests.helpers import procs
-from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.jobs import ONE_THREAD, TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two single processes side by side on two cores
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 

@@ -31,6 +31,9 @@ JOB = [
     "log.plots=false",
 ]
 TIMEOUT_S = 120
+# Single processes run side by side on two cores: one intra-op thread each, as torchrun gives its
+# workers (bitwise comparisons need equal thread counts).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 ATTEMPT_START = re.compile(r"\[elastictrain r0 a(\d+)\] INFO (?:restored snapshot \S+: step (\d+)|no snapshot at)")
 
 
