@@ -298,7 +298,7 @@ class Watchdog(Observer):
         # its exit turns this rank's collective into a connection error that says less.
         peer_verdict = self._peer_verdict() if stalled_s > allowed / 2 else None
         if peer_verdict is not None:
-            return f"no progress for {stalled_s:.1f} s in state {state.name} and {peer_verdict}"
+            return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and {peer_verdict}"
         return None
 
     def _fire(self, verdict: str) -> None:

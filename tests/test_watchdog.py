@@ -192,8 +192,8 @@ def test_a_peer_verdict_makes_a_stalled_rank_leave_before_its_own_allowance(stor
     watchdog._last_progress = 586.0
     assert watchdog.check() is None  # 15 s stalled: not yet half of 30 s
     watchdog._clock.now = 602.0
-    assert watchdog.check() == ("no progress for 16.0 s in state TRAIN and rank 1 found a hang: rank 1 is stuck in state "
-                                "TRAIN at step 5 at x:1 in f")
+    assert watchdog.check() == ("no progress for 16.0 s in state TRAIN at step 5 and rank 1 found a hang: rank 1 is stuck in "
+                                "state TRAIN at step 5 at x:1 in f")
 
 
 def test_the_heartbeat_says_where_the_loop_thread_is_and_whether_it_waits(store):
