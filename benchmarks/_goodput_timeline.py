@@ -66,7 +66,7 @@ class Attempt:
 class Timeline:
     attempts: dict[int, Attempt]
     commits: list[dict]  # elastictrain: {"tier", "bytes", "seconds"} of each committed write
-    restores: dict[str, int]  # elastictrain: restarts by where they restored from (node-local, durable, fresh)
+    restores: dict[str, int]  # elastictrain: restarts by where they restored from (node-local, survivor copy, durable, fresh)
     goodput_counter: dict | None  # elastictrain's own counters at the end (rank 0)
     summary_line: str | None
     agent_failures: list[float] = field(default_factory=list)  # unix s of each "failed (exitcode ...)" the agent logged
@@ -94,7 +94,7 @@ def parse(log_text: str, launch_unix: float, fast_tier_url: str | None = None) -
                 attempt.restored_step = int(fields["step"])
             elif event == "done":
                 attempt.done_step = int(fields["step"])
-    commits, restores, summary_line = [], {"node-local": 0, "durable": 0, "fresh": 0}, None
+    commits, restores, summary_line = [], {"node-local": 0, "survivor copy": 0, "durable": 0, "fresh": 0}, None
     entered: dict[int, tuple[int, float]] = {}  # restart -> (step, time) a snapshot state was entered
     for hours, minutes, seconds, millis, rank, restart, _level, message in ELASTICTRAIN_LINE.findall(log_text):
         if rank != "0":
@@ -114,7 +114,7 @@ def parse(log_text: str, launch_unix: float, fast_tier_url: str | None = None) -
             tier = "node-local" if fast_tier_url and match.group(1).startswith(fast_tier_url) else "durable"
             commits.append({"tier": tier, "bytes": int(match.group(2)), "seconds": float(match.group(3))})
         elif FAST_RESTORE.match(message):
-            restores["node-local"] += 1
+            restores["survivor copy" if "(a survivor copy)" in message else "node-local"] += 1
         elif (match := DURABLE_RESTORE.match(message)) and not (fast_tier_url and match.group(1).startswith(fast_tier_url)):
             restores["durable"] += 1  # a fast-tier restore logs this line too, with the fast tier's URL
         elif message.startswith("no snapshot at") and attempt.restart > 0:

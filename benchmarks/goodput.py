@@ -25,6 +25,9 @@ from one repeat to the next:
   cores a background write only competes with the step) or in the background;
 - ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
   WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
+- ``elastictrain-warm-timed``: ``elastictrain-warm`` with ``snapshot.survivor_copies=false``: only
+  timed fast copies, no survivor copy of the step a worker died in (elastictrain/survivor.py), so
+  the two side by side show what survivor copies are worth.
 
 A faulted job's reference step time is the median step interval of the two reference runs
 around it: on a shared machine the load drifts within minutes, and the neighbours see the load
@@ -94,7 +97,7 @@ class Job:
         return self.epochs * self.epoch_steps
 
 
-FAULTED_JOBS = ("textbook", "elastictrain", "elastictrain-fast", "elastictrain-warm")
+FAULTED_JOBS = ("textbook", "elastictrain", "elastictrain-fast", "elastictrain-warm", "elastictrain-warm-timed")
 
 
 def reference_job(args: argparse.Namespace) -> Job:
@@ -110,20 +113,24 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
         Job("elastictrain", "elastictrain", faulted=True, **length, config={"snapshot": {"every_steps": args.every_steps}}),
         fast_tier_job("elastictrain-fast", fast_url, args, length),
         fast_tier_job("elastictrain-warm", f"{fast_url}-warm", args, length, warm=True),
+        fast_tier_job("elastictrain-warm-timed", f"{fast_url}-warm-timed", args, length, warm=True, survivor=False),
     ]
     chosen = [job for job in jobs if job.name in args.jobs]
     shift = repeat % len(chosen) if chosen else 0
     return chosen[shift:] + chosen[:shift]
 
 
-def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: dict, warm: bool = False) -> Job:
-    """Durable snapshots every --fast-durable-every-s, node-local copies every --fast-every-s (and --fast-every-steps)."""
+def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: dict, warm: bool = False,
+                  survivor: bool = True) -> Job:
+    """Durable snapshots every --fast-durable-every-s, node-local copies every --fast-every-s (and --fast-every-steps),
+    and a survivor copy when a worker dies inside a step (snapshot.survivor_copies) unless ``survivor`` is false."""
     every_s = args.fast_every_s if args.fast_every_s == "auto" else float(args.fast_every_s)
     return Job(name, "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput", warm=warm,
                config={"snapshot": {"every_steps": 0, "every_seconds": args.fast_durable_every_s,
                                     "async_write": args.fast_async, "local_async_write": args.fast_local_async,
                                     "local_url": fast_url,
-                                    "local_every_steps": args.fast_every_steps, "local_every_seconds": every_s}})
+                                    "local_every_steps": args.fast_every_steps, "local_every_seconds": every_s,
+                                    "survivor_copies": survivor}})
 
 
 def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:

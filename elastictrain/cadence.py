@@ -8,9 +8,10 @@ each part is sqrt(C / (2 M)). ``snapshot.local_every_seconds: auto`` takes both 
 - C: the median cost of this node's last fast snapshots, training's wait plus the background
   write (the write's whole wall time: on busy cores it takes that much from training, on idle
   ones less, so T errs long, where the loss curve is flattest);
-- M: the run's training time over its failures so far (``failures_and_exposure``). Before the
-  first failure M is the time trained so far, so T grows as sqrt(2 C t) while nothing fails,
-  and the snapshots taken by time t cost about T(t) seconds in all.
+- M: the run's training time over its failures so far (``failures_and_exposure``; a failure a
+  survivor copy covered does not count). Before the first failure M is the time trained so far,
+  so T grows as sqrt(2 C t) while nothing fails, and the snapshots taken by time t cost about
+  T(t) seconds in all.
 
 Rank 0 owns the timer (the vote makes every rank act on it at the same step). It imports nothing
 of the loop: it is an observer the loop asks once per vote.
@@ -45,12 +46,13 @@ def failures_and_exposure(attempts: list[dict[str, Any]], current_s: float) -> t
     """The run's failures and training seconds from its attempt records (``RunLog.attempts``).
 
     An attempt that ended without a preemption snapshot failed (the next one is its restart or
-    relaunch); the one running now has not. Exposure: each earlier attempt's time up to its last
+    relaunch), unless a survivor copy of its last step was written (``survivor.py``): that failure
+    lost no work a timed copy could have saved. The one running now has not failed. Exposure: each earlier attempt's time up to its last
     snapshot, plus ``current_s`` of this one. An attempt that died before its first snapshot left
     no record; its failure is the one counted for the attempt before it.
     """
     earlier = attempts[:-1]
-    failures = sum(1 for attempt in earlier if not attempt.get("preempted"))
+    failures = sum(1 for attempt in earlier if not attempt.get("preempted") and not attempt.get("survivor_copy"))
     return failures, sum(float(attempt.get("wall_s", 0.0)) for attempt in earlier) + max(current_s, 0.0)
 
 

@@ -103,6 +103,10 @@ class SnapshotConfig(_Section):
     # bandwidth, with no disk to wait on: where the CPU cores are all busy training, a background
     # write only competes with the step, and false costs less (benchmarks/README.md).
     local_async_write: bool | None = None
+    # With the fast tier: when a worker dies inside a step, the node's lowest surviving rank writes a
+    # fast copy of the step before it (elastictrain/survivor.py), so the restart redoes only that step.
+    # Single-node groups, models without floating-point buffers; each rank leaves ~12 KB per step in node memory.
+    survivor_copies: bool = True
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
     # data.shuffle); a key here also accepts every key below it.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
 from .snapshotter import Snapshotter
 from .states import State, StateMachine
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
+from .survivor import SurvivorCopies
 from .task import PendingScheduler, Task, load_task, split_loss
 from .vote import NOTHING, Requests, StepVote
 from .watchdog import Watchdog, WatchdogSettings
@@ -235,6 +237,7 @@ class Trainer:
         self.snapshots: Snapshotter | None = None
         self.local_snapshots: Snapshotter | None = None
         self.fast_timer: FastTierTimer | None = None
+        self.survivors: SurvivorCopies | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self.signals.install()
         try:
@@ -247,7 +250,7 @@ class Trainer:
             self._fail(exc)
         finally:
             self.signals.uninstall()
-            for snapshots in (self.snapshots, self.local_snapshots):
+            for snapshots in (self.snapshots, self.local_snapshots, self.survivors):
                 if snapshots is not None:
                     snapshots.close()
             self.events.closed()
@@ -274,6 +277,8 @@ class Trainer:
                 "the launcher restarts the group from the newest snapshot"
             )
             log.error("%s", replacement)
+            if self.survivors is not None and self.machine.state is State.TRAIN:
+                self._write_survivor_copy()
         else:
             log.exception("rank %s failed in state %s at step %d", *where)
         if not self.machine.finished:
@@ -344,6 +349,14 @@ class Trainer:
             self.events.add(timer)
         self.vote = StepVote(self.ctx, self.cfg.preempt.vote_every_s)
         self._train_sums = WeightedSums(self.ctx.device)
+        if self.local_snapshots is not None and self.cfg.snapshot.survivor_copies:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None  # torchrun's
+            why_not = SurvivorCopies.applies(self.local_snapshots, self.snapshots.model, self.ctx.world_size, local_world)
+            if why_not is None:
+                self.survivors = SurvivorCopies(self.local_snapshots, self.ctx.world_size, self.ctx.round_id,
+                                                self.snapshots.rank_state, self._train_sums.pending)
+            elif self.ctx.is_main:
+                log.info("no survivor copies (snapshot.survivor_copies): %s", why_not)
         self._batches: Iterator | None = None
         self._steps_left = 0
         self._last_snapshot_time = time.monotonic()
@@ -381,6 +394,8 @@ class Trainer:
         if self.fast_timer is not None:
             self.fast_timer.begin(self.run_log.attempts)
         self._interval = _Interval(self.progress.global_step, time.monotonic())
+        if self.survivors is not None:  # after RESTORE: a fresh start clears the fast tier, slots included
+            self.survivors.open()
         return self._next_state(self.vote.settle(self._local_requests()))
 
     def _next_state(self, requests: Requests) -> State:
@@ -391,6 +406,8 @@ class Trainer:
     def _train(self) -> State:
         self.model.train()
         while True:
+            if self.survivors is not None:  # this rank's part of a copy of this step, should a peer die inside the next
+                self.survivors.mark(self.progress.global_step, self.ctx.device)
             if self._batches is None:
                 self._open_epoch()
             # After a restore into a larger world the rest of an epoch can be under one step.
@@ -468,6 +485,22 @@ class Trainer:
         # No vote here: the ranks agreed on everything when they left TRAIN, nothing is in flight, and
         # a request raised during the copy is read at the next voting step (a collective saved per copy).
         return self._next_state(NOTHING)
+
+    def _write_survivor_copy(self) -> None:
+        """A peer died inside this step: the node's lowest survivor writes the step before it to the fast tier."""
+        def complete(means: dict[str, float]) -> None:  # what a snapshot of this step would have recorded
+            if means:
+                self.history.append(step=self.progress.global_step, epoch=self.progress.epoch,
+                                    **{f"train_{name}": value for name, value in means.items()},
+                                    lr=self.task.optimizer.param_groups[0]["lr"])
+            self.progress.last_local_snapshot_step = self.progress.global_step
+            self.run_log.current["wall_s"] = time.monotonic() - self._started
+            self.run_log.current["survivor_copy"] = 1  # its failure lost no work: cadence.py does not count it
+
+        try:
+            self.survivors.write(self.progress.global_step, complete, self._snapshot_meta())
+        except Exception:  # the restart reads the newest timed copy instead; the peer's loss stays the error
+            log.exception("rank %s: the survivor copy of step %d failed", self._rank_label, self.progress.global_step)
 
     def _local_report(self, report: SnapshotReport | None) -> None:
         if report is not None:  # None: not this node's writer, or written in the background

@@ -24,6 +24,7 @@ class WeightedSums:
         self.names: list[str] | None = None
         self._values: list[Any] = []  # len(names) values per step, step after step
         self._samples: list[int] = []
+        self._folded: tuple[int, list[float]] = (0, [])  # ``pending``'s sums so far: (steps folded, sums)
 
     @property
     def count(self) -> int:
@@ -35,6 +36,24 @@ class WeightedSums:
         # One-element values of any shape ((), (1,), (1, 1)): split_loss has checked that each is a scalar.
         self._values.extend(v.detach() if isinstance(v, torch.Tensor) else v for v in (values[n] for n in self.names))
         self._samples.append(samples)
+
+    def pending(self) -> tuple[list[str], list[float], int] | None:
+        """This rank's float64 sums since the last reduce, and their sample count; None off the CPU.
+
+        Called at every step (survivor copies), so it folds in only the steps added since its last
+        call. On an accelerator, reading a value would make the host wait for the device at every step.
+        """
+        if self.device.type != "cpu":
+            return None
+        names = self.names or []
+        folded, sums = self._folded
+        sums = sums or [0.0] * len(names)
+        for step in range(folded, len(self._samples)):
+            weight = self._samples[step]
+            row = self._values[step * len(names):(step + 1) * len(names)]
+            sums = [total + weight * float(value) for total, value in zip(sums, row)]
+        self._folded = (len(self._samples), sums)
+        return names, list(sums), self.count
 
     def reduce(self, ctx: DistContext, flags: list[float] = ()) -> tuple[dict[str, float], list[float]]:
         """Sample-weighted means over all ranks since the last reduce, and the flags summed over ranks."""
@@ -49,7 +68,7 @@ class WeightedSums:
         extra = torch.tensor([float(self.count), *flags], dtype=torch.float64, device=self.device)
         total = all_reduce_sum(torch.cat([sums, extra]), ctx).tolist()
         count = total[len(names)]
-        self._values, self._samples = [], []
+        self._values, self._samples, self._folded = [], [], (0, [])
         means = {name: total[i] / count for i, name in enumerate(names)} if count else {}
         return means, total[len(names) + 1 :]
 

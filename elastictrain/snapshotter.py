@@ -161,8 +161,9 @@ class Snapshotter:
             manifest = broadcast_from_main(local_found[0] if local_found else None, self.ctx, src=holder)
             objects = broadcast_bytes_from_main(local_found[1] if local_found else None, self.ctx, src=holder)
             self._load(manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}")
-            log.info("restored step %d from the node-local tier of node %d (rank %d)%s", manifest.step, nodes[holder],
-                     holder, "" if holder == self.ctx.rank else ", sent to this rank")
+            log.info("restored step %d from the node-local tier of node %d (rank %d)%s%s", manifest.step, nodes[holder],
+                     holder, " (a survivor copy)" if manifest.meta.get("survivor") else "",
+                     "" if holder == self.ctx.rank else ", sent to this rank")
         else:
             return None
         saved_world_size = int(manifest.meta.get("world_size", self.ctx.world_size))
@@ -274,7 +275,7 @@ class Snapshotter:
         from ``poll`` once the write is done, and ``flush`` waits for it.
         """
         started = time.monotonic()
-        mine = {"rng": capture_rng(self.ctx.device), **{n: c.state_dict() for n, c in self.rank_statefuls.items()}}
+        mine = {"rng": capture_rng(self.ctx.device), **self.rank_state()}
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
         rank_states = gather_to_main(mine, self.ctx)
@@ -322,6 +323,21 @@ class Snapshotter:
             return None
         committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+
+    def save_survivor(self, step: int, rank_states: list[dict], meta: dict[str, Any]) -> SnapshotReport | None:
+        """The fast tier, on the node's lowest surviving rank after a peer was lost: commit ``step`` from the live
+        model and every rank's state (``survivor.py``), with no collective (the group is broken). None when the
+        tier already holds a committed copy of this step."""
+        started = time.monotonic()
+        self._join_write()  # this rank's own copy in flight first: one writer at a time
+        if any(s.step == step and s.manifest is not None for s in self.store.list_snapshots()):
+            return None
+        committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's share of a snapshot besides its RNG: its streams' positions."""
+        return {name: component.state_dict() for name, component in self.rank_statefuls.items()}
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""

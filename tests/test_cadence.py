@@ -19,9 +19,9 @@ class Clock:
         return self.now
 
 
-def attempt(wall_s: float, preempted: int = 0) -> dict:
+def attempt(wall_s: float, preempted: int = 0, **more) -> dict:
     return {"restart_count": 0, "world_size": 2, "start_step": 0, "started_unix": 0.0, "launcher": "torchrun",
-            "reason": "fresh", "preempted": preempted, "wall_s": wall_s}
+            "reason": "fresh", "preempted": preempted, "wall_s": wall_s, **more}
 
 
 @pytest.mark.parametrize("cost_s, mtbf_s, expected_s", [
@@ -38,6 +38,8 @@ def test_young_daly_interval(cost_s, mtbf_s, expected_s):
     ([attempt(50.0), attempt(0.0)], 5.0, (1, 55.0)),
     ([attempt(50.0), attempt(40.0, preempted=1), attempt(0.0)], 5.0, (1, 95.0)),  # a preemption loses nothing
     ([attempt(50.0), attempt(40.0), attempt(30.0), attempt(99.0)], 0.0, (3, 120.0)),  # the current one's own record is not used
+    # A failure a survivor copy covered lost no work a timed copy could save; its time still counts.
+    ([attempt(50.0, survivor_copy=1), attempt(40.0), attempt(0.0)], 5.0, (1, 95.0)),
 ])
 def test_failures_and_exposure_from_the_run_log(attempts, current_s, expected):
     assert failures_and_exposure(attempts, current_s) == expected

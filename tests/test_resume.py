@@ -77,7 +77,7 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     ref_result, ref_traces, _ = reference
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=0", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
                                        "snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}",
-                                       "snapshot.local_every_seconds=auto"])
+                                       "snapshot.local_every_seconds=auto", "snapshot.survivor_copies=false"])
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
@@ -92,6 +92,29 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
                      r"0 failure\(s\)", result.output), result.output[-4000:]
     assert re.search(r"a1\] INFO fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: \d+ ms a copy, "
                      r"1 failure\(s\)", result.output), result.output[-4000:]
+    assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
+        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+
+
+def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_step_before_bitwise(tmp_path, reference):
+    """No timed fast copies and no durable snapshot: rank 1 dies in the forward pass of step 138, so
+    the only copy to restore is the one rank 0, the node's surviving rank, writes of step 137 from its
+    live model and both ranks' slots (survivor.py). Exactly that step is redone."""
+    ref_result, ref_traces, _ = reference
+    kill_step = 138
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", f"task.args.pause_at_step={kill_step}",
+                                       "snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}"])
+    pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+
+    result = parse_job(job.output())
+    assert re.search(rf"WARNING survivor copy of step {kill_step - 1} written to ", result.output), result.output[-4000:]
+    assert f"restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor copy)" in result.output
+    assert start_steps(result.output) == [0, kill_step - 1], "expected exactly one restart, from the survivor copy"
+    assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
     for rank in (0, 1):
         stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))

@@ -1,0 +1,220 @@
+"""Survivor copies: when a worker dies inside a step, a survivor on its node writes the step before it.
+
+Under DDP every rank holds the same model, optimizer and progress, and none of them changes
+between the start of a step and its optimizer step: forward and backward only make gradients.
+What differs per rank is small: its RNG state, its stream position (streams only) and its
+not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory at
+the start of every step (``StepSlots``, about 12 KB and a few microseconds). When a peer dies,
+the survivors' collective fails inside that step; a survivor whose own slot and every other
+rank's slot name its step writes a fast-tier copy of that step from its live model and the
+slots (``SurvivorCopies.write``). The restart then redoes only the step that was cut short,
+instead of everything since the last timed copy (Gupta et al., "Just-In-Time Checkpointing",
+EuroSys '24, do the same from the healthy data-parallel replicas).
+
+When no copy is written, and the restart reads the newest timed copy as before:
+
+- the failure came outside a step (a snapshot, an evaluation, a metric reduce): the survivor's
+  progress has moved past its slot;
+- any slot names another step or another rendezvous round (the dead rank died between steps, or
+  a slot was torn by the kill), or is missing;
+- the ranks are not all on this node (each node sees only its own slots), or the model has
+  floating-point buffers (BatchNorm statistics change in the forward pass and differ per rank);
+- a lower local rank is still alive: it writes the copy (the lowest live one does; liveness is an
+  ``flock`` each rank holds on its own file while it runs, released by the kernel when it dies).
+
+It imports nothing of the loop: the loop calls ``mark`` at the start of every step and ``write``
+when a peer is lost.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import pickle
+import random
+import struct
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .snapshotter import Snapshotter
+
+log = logging.getLogger("elastictrain")
+
+_HEADER = struct.Struct("<QQI")  # sequence number, payload length, crc32 of the payload
+_SLOT_DIR = ".survivor-slots"
+
+
+class StepSlots:
+    """Each rank's slot in node memory: two alternating files, so a write torn by a kill leaves the other one."""
+
+    def __init__(self, directory: str, rank: int, local_rank: int) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.local_rank = local_rank
+        self._fds: list[int] = []
+        self._alive_fd: int | None = None
+        self._sequence = 0
+
+    def open(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        # Held until this process ends, for whatever reason: the kernel releases it on SIGKILL too.
+        self._alive_fd = os.open(self._alive_path(self.local_rank), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._alive_fd, fcntl.LOCK_EX)
+        self._fds = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for path in self._paths(self.rank)]
+
+    def close(self) -> None:
+        for fd in [*self._fds, *([self._alive_fd] if self._alive_fd is not None else [])]:
+            os.close(fd)
+        self._fds, self._alive_fd = [], None
+
+    def write(self, record: dict[str, Any]) -> None:
+        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        self._sequence += 1
+        header = _HEADER.pack(self._sequence, len(payload), zlib.crc32(payload))
+        os.pwrite(self._fds[self._sequence % 2], header + payload, 0)
+
+    def read(self, rank: int) -> dict[str, Any] | None:
+        """The newest intact record of ``rank``'s slot, or None."""
+        newest: tuple[int, dict[str, Any]] | None = None
+        for path in self._paths(rank):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            if len(data) < _HEADER.size:
+                continue
+            sequence, length, crc = _HEADER.unpack_from(data)
+            payload = data[_HEADER.size:_HEADER.size + length]
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                continue  # torn by a kill in the middle of its write
+            if newest is None or sequence > newest[0]:
+                newest = (sequence, pickle.loads(payload))
+        return newest[1] if newest else None
+
+    def lowest_alive(self) -> bool:
+        """No lower local rank is still running (its lock is free: it died, or it never started)."""
+        for local_rank in range(self.local_rank):
+            try:
+                fd = os.open(self._alive_path(local_rank), os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            finally:
+                os.close(fd)  # closing releases the lock just taken
+        return True
+
+    def _paths(self, rank: int) -> list[str]:
+        return [os.path.join(self.directory, f"rank-{rank}.{part}") for part in "ab"]
+
+    def _alive_path(self, local_rank: int) -> str:
+        return os.path.join(self.directory, f"alive-local-rank-{local_rank}")
+
+
+class SurvivorCopies:
+    """Marks each step's per-rank state on every rank; after a peer is lost, writes that step's fast copy."""
+
+    def __init__(self, fast: Snapshotter, world_size: int, round_id: str, rank_state: Callable[[], dict[str, Any]],
+                 pending_sums: Callable[[], tuple[list[str], list[float], int] | None]) -> None:
+        self.fast = fast
+        self.world_size = world_size
+        self.round_id = round_id
+        self.rank_state = rank_state  # this rank's stream positions (streams only)
+        self.pending_sums = pending_sums  # this rank's metric sums since the last reduce (None: unknown)
+        ctx = fast.ctx
+        self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)
+        self.marked_step: int | None = None
+
+    @staticmethod
+    def applies(fast: Snapshotter | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
+        """None when survivor copies can work here, else why not (logged once by the caller)."""
+        if fast is None:
+            return "there is no fast tier (snapshot.local_url)"
+        if world_size < 2:
+            return "a single worker has no survivor"
+        if local_world_size != world_size:
+            return "the ranks are not all on one node"
+        if any(buffer.is_floating_point() for buffer in model.buffers()):
+            return "the model has floating-point buffers (BatchNorm statistics change in the forward pass)"
+        return None
+
+    def open(self) -> None:
+        self.slots.open()
+
+    def close(self) -> None:
+        self.slots.close()
+
+    def mark(self, step: int, device: torch.device) -> None:
+        """At the start of every step, before anything of it runs: this rank's part of a copy of ``step``."""
+        self.slots.write({"step": step, "round": self.round_id, "rng": _rng_bytes(device),
+                          "rank_state": self.rank_state(), "sums": self.pending_sums()})
+        self.marked_step = step
+
+    def write(self, step: int, complete: Callable[[dict[str, float]], None], meta: dict[str, Any]) -> int | None:
+        """A peer was lost inside the step after ``step``: write ``step``'s copy if this rank is the node's lowest
+        survivor and every slot agrees; returns the step written.
+
+        ``complete`` receives the sample-weighted means of every rank's metric sums (empty when
+        unknown or none) and records what a snapshot of this step would hold besides the state.
+        """
+        if self.marked_step != step:
+            log.info("no survivor copy: the peer was lost outside a training step (after step %d)", step)
+            return None
+        if not self.slots.lowest_alive():
+            return None  # a lower local rank survived: it writes
+        records = [self.slots.read(rank) for rank in range(self.world_size)]
+        behind = [rank for rank, r in enumerate(records)
+                  if r is None or r["step"] != step or r["round"] != self.round_id]
+        if behind:
+            log.info("no survivor copy of step %d: the slot of rank(s) %s names another step; the restart reads the "
+                     "newest fast copy", step, ",".join(map(str, behind)))
+            return None
+        sums = [r["sums"] for r in records]
+        count = sum(s[2] for s in sums) if all(s is not None for s in sums) else 0
+        names = sums[0][0] if count else []
+        complete({name: sum(s[1][i] for s in sums) / count for i, name in enumerate(names)})
+        rank_states = [{"rng": _rng_from_bytes(r["rng"]), **r["rank_state"]} for r in records]
+        report = self.fast.save_survivor(step, rank_states, {**meta, "survivor": True})
+        if report is None:
+            log.info("no survivor copy needed: the fast tier already holds step %d", step)
+            return step
+        if not report.committed:
+            return None  # _commit said why in a warning
+        log.warning("survivor copy of step %d written to %s in %.3f s: the restart redoes only the step that was cut "
+                    "short", step, self.fast.url, report.duration_s)
+        return step
+
+
+def _rng_bytes(device: torch.device) -> dict[str, Any]:
+    """``capture_rng``'s states as bytes and ints: pickled in microseconds, where tensors take a tenth of a millisecond."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": (numpy_state["state"]["key"].tobytes(), int(numpy_state["state"]["pos"]),
+                  int(numpy_state["has_gauss"]), float(numpy_state["gauss"])),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).numpy().tobytes()
+    return state
+
+
+def _rng_from_bytes(state: dict[str, Any]) -> dict[str, Any]:
+    """Back to ``capture_rng``'s form, which ``restore_rng`` loads."""
+    key, pos, has_gauss, gauss = state["numpy"]
+    restored = {
+        "python": state["python"],
+        "numpy": {"key": torch.from_numpy(np.frombuffer(key, dtype=np.uint32).astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
+    }
+    if "cuda" in state:
+        restored["cuda"] = torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8)
+    return restored

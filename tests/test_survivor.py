@@ -1,0 +1,191 @@
+"""Survivor copies (elastictrain/survivor.py) piece by piece: the per-step slots, the election of the
+writer among a node's live ranks, the checks that refuse a copy, and the copy's content.
+
+The whole path under real torchrun with a real SIGKILL is in tests/test_resume.py
+(``test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_...``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from elastictrain.config import load_config
+from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.reduce import WeightedSums
+from elastictrain.snapshot import Progress, load_object
+from elastictrain.snapshotter import Snapshotter
+from elastictrain.storage import SnapshotStore
+from elastictrain.survivor import StepSlots, SurvivorCopies, _rng_bytes, _rng_from_bytes
+
+CPU = torch.device("cpu")
+
+
+def test_a_slot_reads_back_its_newest_record_and_a_torn_write_leaves_the_one_before(tmp_path):
+    slots = StepSlots(str(tmp_path), rank=0, local_rank=0)
+    slots.open()
+    try:
+        assert slots.read(0) is None
+        slots.write({"step": 1})
+        slots.write({"step": 2})
+        assert slots.read(0) == {"step": 2}
+        # A kill in the middle of writing step 3 tears its file: step 2, in the other file, is read.
+        slots.write({"step": 3, "pad": "x" * 1000})
+        newest = next(p for p in tmp_path.glob("rank-0.*") if b"pad" in p.read_bytes())
+        newest.write_bytes(newest.read_bytes()[:-10])
+        assert slots.read(0) == {"step": 2}
+        assert slots.read(1) is None  # a rank that never wrote
+    finally:
+        slots.close()
+
+
+def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from elastictrain.survivor import StepSlots
+        slots = StepSlots({str(tmp_path)!r}, rank=0, local_rank=0)
+        slots.open()
+        print("open", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        mine = StepSlots(str(tmp_path), rank=1, local_rank=1)
+        mine.open()
+        assert not mine.lowest_alive(), "local rank 0 runs: it writes the copy"
+        assert StepSlots(str(tmp_path), rank=0, local_rank=0).lowest_alive()  # nobody below rank 0
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+        assert mine.lowest_alive(), "the kernel released the killed rank's lock"
+        mine.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()  # by pid: this test's own child
+        holder.wait(10)
+
+
+def test_pending_sums_fold_each_step_once_and_start_over_after_a_reduce():
+    sums = WeightedSums(CPU)
+    sums.add(4, {"loss": torch.tensor(1.0), "acc": torch.tensor(0.5)})
+    assert sums.pending() == (["acc", "loss"], [2.0, 4.0], 4)
+    sums.add(2, {"loss": torch.tensor(3.0), "acc": torch.tensor(0.25)})
+    assert sums.pending() == (["acc", "loss"], [2.5, 10.0], 6)
+    assert sums.pending() == (["acc", "loss"], [2.5, 10.0], 6)  # asked again: nothing folded twice
+    means, _ = sums.reduce(DistContext(LaunchEnv("none"), False, CPU, None, 60.0))
+    assert means == {"acc": 2.5 / 6, "loss": 10.0 / 6}
+    assert sums.pending() == (["acc", "loss"], [0.0, 0.0], 0)
+    assert WeightedSums(torch.device("meta")).pending() is None  # off the CPU a read would wait for the device
+
+
+def test_rng_states_survive_the_slot_form_exactly():
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    saved = _rng_from_bytes(_rng_bytes(CPU))
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    from elastictrain.snapshot import restore_rng
+
+    restore_rng(saved, CPU)
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+
+
+class Node:
+    """Two ranks of one node as SurvivorCopies sees them: rank 0 survives (this object), rank 1's slot is written by hand."""
+
+    def __init__(self, tmp_path, round_id: str = "round-a") -> None:
+        cfg = load_config(None, [f"snapshot.local_url={tmp_path / 'shm'}"])
+        ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0,
+                          round_id=round_id)
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 2)
+        self.progress = Progress()
+        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress}, tier="local")
+        self.store = SnapshotStore(fast.url)
+        self.sums = WeightedSums(CPU)
+        self.copies = SurvivorCopies(fast, 2, round_id, fast.rank_state, self.sums.pending)
+        self.copies.open()
+        self.peer = StepSlots(self.copies.slots.directory, rank=1, local_rank=1)
+        self.peer.open()
+        self.completed: list[dict] = []
+
+    def peer_marks(self, step: int, round_id: str = "round-a", count: int = 6) -> None:
+        torch.manual_seed(1234)  # the peer's RNG: another stream than this rank's
+        self.peer.write({"step": step, "round": round_id, "rng": _rng_bytes(CPU), "rank_state": {},
+                         "sums": (["loss"], [3.0 * count], count)})
+
+    def write(self, step: int):
+        return self.copies.write(step, self.completed.append, {"epoch": 0, "epoch_offset": 0, "world_size": 2})
+
+    def steps(self) -> list[int]:
+        return [s.step for s in self.store.list_snapshots() if s.manifest is not None]
+
+    def close(self) -> None:
+        self.copies.close()
+        self.peer.close()
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = Node(tmp_path)
+    yield n
+    n.close()
+
+
+def test_the_copy_holds_the_survivors_model_every_ranks_rng_and_the_means_of_every_ranks_sums(node):
+    node.sums.add(2, {"loss": torch.tensor(1.0)})
+    node.copies.mark(7, CPU)
+    node.peer_marks(7)
+    peer_rng = _rng_from_bytes(node.peer.read(1)["rng"])["torch"]
+    with torch.no_grad():  # forward and backward of step 8 change no weights; the optimizer step never came
+        node.model.weight.grad = torch.ones_like(node.model.weight)
+
+    assert node.write(7) == 7
+    assert node.steps() == [7]
+    listing = node.store.latest_valid()
+    assert listing[0].meta["survivor"] is True
+    state = load_object(listing[1]["state.pt"], "copy")
+    assert torch.equal(state["rng"][1]["torch"], peer_rng), "the dead rank's RNG comes from its slot"
+    assert torch.equal(load_object(listing[1]["model.pt"], "copy")["weight"], node.model.weight)
+    assert node.completed == [{"loss": (2.0 + 18.0) / 8}]
+
+
+@pytest.mark.parametrize("why", ["peer-behind", "peer-other-round", "peer-never-wrote", "outside-a-step"])
+def test_no_copy_when_any_slot_names_another_step_or_round(node, why):
+    node.copies.mark(7, CPU)
+    if why == "peer-behind":
+        node.peer_marks(6)  # it died between steps 6 and 7: this rank's model may be past its slot
+    elif why == "peer-other-round":
+        node.peer_marks(7, round_id="round-before")  # the slot of an earlier attempt
+    elif why == "outside-a-step":
+        node.peer_marks(7)
+        node.copies.marked_step = 7
+        assert node.write(8) is None  # the step advanced past the mark: lost in a reduce or a snapshot
+        assert node.steps() == [] and node.completed == []
+        return
+    assert node.write(7) is None
+    assert node.steps() == [] and node.completed == []
+
+
+def test_a_step_the_fast_tier_already_holds_is_not_written_again(node):
+    node.copies.mark(7, CPU)
+    node.peer_marks(7)
+    assert node.write(7) == 7
+    first = node.store.latest_valid()[0].created_unix
+    assert node.write(7) == 7
+    assert node.store.latest_valid()[0].created_unix == first
+
+
+def test_survivor_copies_apply_only_to_one_node_groups_without_float_buffers(tmp_path):
+    fast = object()
+    assert SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 2, 2) is None
+    assert "no fast tier" in SurvivorCopies.applies(None, torch.nn.Linear(2, 2), 2, 2)
+    assert "single worker" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 1, 1)
+    assert "not all on one node" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 4, 2)
+    assert "floating-point buffers" in SurvivorCopies.applies(fast, torch.nn.BatchNorm1d(2), 2, 2)
