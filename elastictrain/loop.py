@@ -353,8 +353,8 @@ class Trainer:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None  # torchrun's
             why_not = SurvivorCopies.applies(self.local_snapshots, self.snapshots.model, self.ctx.world_size, local_world)
             if why_not is None:
-                self.survivors = SurvivorCopies(self.local_snapshots, self.ctx.world_size, self.ctx.round_id,
-                                                self.snapshots.rank_state, self._train_sums.pending)
+                self.survivors = SurvivorCopies(self.local_snapshots, self.ctx.world_size, self.ctx.round_id, self.progress,
+                                                self.history, self.snapshots.rank_state, self._train_sums.pending)
             elif self.ctx.is_main:
                 log.info("no survivor copies (snapshot.survivor_copies): %s", why_not)
         self._batches: Iterator | None = None
@@ -405,9 +405,12 @@ class Trainer:
 
     def _train(self) -> State:
         self.model.train()
+        # This rank's part of a copy of this step, should a peer die before the next one: written
+        # on entry, after every step, and again once a reduce has moved the metric sums into the history.
+        survivors = self.survivors
+        if survivors is not None:
+            survivors.mark(self.ctx.device)
         while True:
-            if self.survivors is not None:  # this rank's part of a copy of this step, should a peer die inside the next
-                self.survivors.mark(self.progress.global_step, self.ctx.device)
             if self._batches is None:
                 self._open_epoch()
             # After a restore into a larger world the rest of an epoch can be under one step.
@@ -420,6 +423,8 @@ class Trainer:
                     self._train_step(batches)
                     self._interval.step_time_s += time.perf_counter() - step_started
                     self._steps_left -= 1
+                    if survivors is not None:
+                        survivors.mark(self.ctx.device)
                     self.watchdog.beat(self.progress.global_step)
                     self.goodput.stepped(self.progress.global_step)
             epoch_ended = self._steps_left == 0
@@ -427,6 +432,8 @@ class Trainer:
                 self._end_epoch()
             if epoch_ended or self.progress.global_step % self.cfg.train.log_every_steps == 0:
                 self._reduce_train_metrics()
+                if survivors is not None:  # the sums were reset (and a stream's epoch may have ended)
+                    survivors.mark(self.ctx.device)
             if self.signals.requested is not None and not self._preempt_announced:
                 self._announce_signal()  # at the step it arrived in, though the vote may come later
             # The vote posted now is read at the next voting boundary: it overlaps the steps between.
@@ -437,6 +444,8 @@ class Trainer:
             if next_state is not State.TRAIN:
                 if self._train_sums.count:
                     self._reduce_train_metrics()
+                    if survivors is not None:
+                        survivors.mark(self.ctx.device)
                 # Leave TRAIN with nothing in flight and everything every rank asked for.
                 return self._next_state(requests | self.vote.settle(self._local_requests()))
 
@@ -498,7 +507,7 @@ class Trainer:
             self.run_log.current["survivor_copy"] = 1  # its failure lost no work: cadence.py does not count it
 
         try:
-            self.survivors.write(self.progress.global_step, complete, self._snapshot_meta())
+            self.survivors.write(complete, self._snapshot_meta())
         except Exception:  # the restart reads the newest timed copy instead; the peer's loss stays the error
             log.exception("rank %s: the survivor copy of step %d failed", self._rank_label, self.progress.global_step)
 

@@ -3,27 +3,29 @@
 Under DDP every rank holds the same model, optimizer and progress, and none of them changes
 between the start of a step and its optimizer step: forward and backward only make gradients.
 What differs per rank is small: its RNG state, its stream position (streams only) and its
-not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory at
-the start of every step (``StepSlots``, about 12 KB and a few microseconds). When a peer dies,
-the survivors' collective fails inside that step; a survivor whose own slot and every other
-rank's slot name its step writes a fast-tier copy of that step from its live model and the
-slots (``SurvivorCopies.write``). The restart then redoes only the step that was cut short,
-instead of everything since the last timed copy (Gupta et al., "Just-In-Time Checkpointing",
-EuroSys '24, do the same from the healthy data-parallel replicas).
+not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory after
+every step, and again after every metric reduce (``StepSlots``, about 12 KB and 0.07 ms), with
+the step and the length of the metric history they go with. When a peer dies, the survivors'
+next collective fails: in the next step's gradient all-reduce, or in a metric reduce or a vote
+between steps. A survivor still at the step its slot names, whose metric history has the length
+every slot names, writes a fast-tier copy of that step from its live model and the slots
+(``SurvivorCopies.write``). The restart then redoes only the step that was cut short, instead of
+everything since the last timed copy (Gupta et al., "Just-In-Time Checkpointing", EuroSys '24,
+do the same from the healthy data-parallel replicas).
 
 When no copy is written, and the restart reads the newest timed copy as before:
 
-- the failure came outside a step (a snapshot, an evaluation, a metric reduce): the survivor's
-  progress has moved past its slot;
-- any slot names another step or another rendezvous round (the dead rank died between steps, or
-  a slot was torn by the kill), or is missing;
+- the failure came outside training (a snapshot, an evaluation);
+- any slot names another step, history length or rendezvous round (the dead rank died after its
+  optimizer step and before its slot was written, or in the middle of a metric reduce), or is
+  missing;
 - the ranks are not all on this node (each node sees only its own slots), or the model has
   floating-point buffers (BatchNorm statistics change in the forward pass and differ per rank);
 - a lower local rank is still alive: it writes the copy (the lowest live one does; liveness is an
   ``flock`` each rank holds on its own file while it runs, released by the kernel when it dies).
 
-It imports nothing of the loop: the loop calls ``mark`` at the start of every step and ``write``
-when a peer is lost.
+It imports nothing of the loop: the loop calls ``mark`` after every step and metric reduce, and
+``write`` when a peer is lost.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .snapshot import History, Progress
 from .snapshotter import Snapshotter
 
 log = logging.getLogger("elastictrain")
@@ -121,16 +124,19 @@ class StepSlots:
 class SurvivorCopies:
     """Marks each step's per-rank state on every rank; after a peer is lost, writes that step's fast copy."""
 
-    def __init__(self, fast: Snapshotter, world_size: int, round_id: str, rank_state: Callable[[], dict[str, Any]],
+    def __init__(self, fast: Snapshotter, world_size: int, round_id: str, progress: Progress, history: History,
+                 rank_state: Callable[[], dict[str, Any]],
                  pending_sums: Callable[[], tuple[list[str], list[float], int] | None]) -> None:
         self.fast = fast
+        self.progress = progress  # replicated: the step every slot must name
+        self.history = history  # replicated: the metric sums in the slots go with this many records
         self.world_size = world_size
         self.round_id = round_id
         self.rank_state = rank_state  # this rank's stream positions (streams only)
         self.pending_sums = pending_sums  # this rank's metric sums since the last reduce (None: unknown)
         ctx = fast.ctx
         self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)
-        self.marked_step: int | None = None
+        self.marked: tuple[int, int] | None = None  # (step, history length) of this rank's newest slot
 
     @staticmethod
     def applies(fast: Snapshotter | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
@@ -139,8 +145,10 @@ class SurvivorCopies:
             return "there is no fast tier (snapshot.local_url)"
         if world_size < 2:
             return "a single worker has no survivor"
+        if local_world_size is None:
+            return "the launcher does not say how many ranks share this node (torchrun's LOCAL_WORLD_SIZE)"
         if local_world_size != world_size:
-            return "the ranks are not all on one node"
+            return "the ranks are not all on one node (each node sees only its own ranks' slots)"
         if any(buffer.is_floating_point() for buffer in model.buffers()):
             return "the model has floating-point buffers (BatchNorm statistics change in the forward pass)"
         return None
@@ -151,30 +159,34 @@ class SurvivorCopies:
     def close(self) -> None:
         self.slots.close()
 
-    def mark(self, step: int, device: torch.device) -> None:
-        """At the start of every step, before anything of it runs: this rank's part of a copy of ``step``."""
-        self.slots.write({"step": step, "round": self.round_id, "rng": _rng_bytes(device),
+    def mark(self, device: torch.device) -> None:
+        """After a step or a metric reduce, before any collective: this rank's part of a copy of this step."""
+        marked = (self.progress.global_step, len(self.history.records))
+        self.slots.write({"step": marked[0], "records": marked[1], "round": self.round_id, "rng": _rng_bytes(device),
                           "rank_state": self.rank_state(), "sums": self.pending_sums()})
-        self.marked_step = step
+        self.marked = marked
 
-    def write(self, step: int, complete: Callable[[dict[str, float]], None], meta: dict[str, Any]) -> int | None:
-        """A peer was lost inside the step after ``step``: write ``step``'s copy if this rank is the node's lowest
-        survivor and every slot agrees; returns the step written.
+    def write(self, complete: Callable[[dict[str, float]], None], meta: dict[str, Any]) -> int | None:
+        """A peer was lost while training: write this step's copy if this rank is the node's lowest survivor and
+        every slot agrees with its progress and history; returns the step written.
 
         ``complete`` receives the sample-weighted means of every rank's metric sums (empty when
         unknown or none) and records what a snapshot of this step would hold besides the state.
         """
-        if self.marked_step != step:
-            log.info("no survivor copy: the peer was lost outside a training step (after step %d)", step)
+        step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records))
+        if self.marked != live:
+            log.info("no survivor copy: this rank is at step %d with %d metric records, its slot at %s", step, live[1],
+                     self.marked)
             return None
         if not self.slots.lowest_alive():
             return None  # a lower local rank survived: it writes
         records = [self.slots.read(rank) for rank in range(self.world_size)]
-        behind = [rank for rank, r in enumerate(records)
-                  if r is None or r["step"] != step or r["round"] != self.round_id]
-        if behind:
-            log.info("no survivor copy of step %d: the slot of rank(s) %s names another step; the restart reads the "
-                     "newest fast copy", step, ",".join(map(str, behind)))
+        others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in enumerate(records)}
+        differ = {rank: seen for rank, seen in others.items() if seen != (*live, self.round_id)}
+        if differ:
+            log.info("no survivor copy of step %d: the slots of rank(s) %s name %s (step, metric records, round) "
+                     "instead; the restart reads the newest fast copy", step, ",".join(map(str, differ)),
+                     ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()))
             return None
         sums = [r["sums"] for r in records]
         count = sum(s[2] for s in sums) if all(s is not None for s in sums) else 0

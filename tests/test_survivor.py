@@ -20,7 +20,7 @@ import torch
 from elastictrain.config import load_config
 from elastictrain.dist import DistContext, LaunchEnv
 from elastictrain.reduce import WeightedSums
-from elastictrain.snapshot import Progress, load_object
+from elastictrain.snapshot import History, Progress, load_object
 from elastictrain.snapshotter import Snapshotter
 from elastictrain.storage import SnapshotStore
 from elastictrain.survivor import StepSlots, SurvivorCopies, _rng_bytes, _rng_from_bytes
@@ -106,22 +106,28 @@ class Node:
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 2)
         self.progress = Progress()
-        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress}, tier="local")
+        self.history = History()
+        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress, "history": self.history}, tier="local")
         self.store = SnapshotStore(fast.url)
         self.sums = WeightedSums(CPU)
-        self.copies = SurvivorCopies(fast, 2, round_id, fast.rank_state, self.sums.pending)
+        self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state, self.sums.pending)
         self.copies.open()
         self.peer = StepSlots(self.copies.slots.directory, rank=1, local_rank=1)
         self.peer.open()
         self.completed: list[dict] = []
 
-    def peer_marks(self, step: int, round_id: str = "round-a", count: int = 6) -> None:
+    def at(self, step: int, records: int = 0) -> None:
+        """This rank's progress and history: ``step`` steps done, ``records`` metric records."""
+        self.progress.global_step = step
+        self.history.records = [{"step": i} for i in range(records)]
+
+    def peer_marks(self, step: int, records: int = 0, round_id: str = "round-a", count: int = 6) -> None:
         torch.manual_seed(1234)  # the peer's RNG: another stream than this rank's
-        self.peer.write({"step": step, "round": round_id, "rng": _rng_bytes(CPU), "rank_state": {},
+        self.peer.write({"step": step, "records": records, "round": round_id, "rng": _rng_bytes(CPU), "rank_state": {},
                          "sums": (["loss"], [3.0 * count], count)})
 
-    def write(self, step: int):
-        return self.copies.write(step, self.completed.append, {"epoch": 0, "epoch_offset": 0, "world_size": 2})
+    def write(self):
+        return self.copies.write(self.completed.append, {"epoch": 0, "epoch_offset": 0, "world_size": 2})
 
     def steps(self) -> list[int]:
         return [s.step for s in self.store.list_snapshots() if s.manifest is not None]
@@ -140,13 +146,14 @@ def node(tmp_path):
 
 def test_the_copy_holds_the_survivors_model_every_ranks_rng_and_the_means_of_every_ranks_sums(node):
     node.sums.add(2, {"loss": torch.tensor(1.0)})
-    node.copies.mark(7, CPU)
-    node.peer_marks(7)
+    node.at(7, records=1)
+    node.copies.mark(CPU)
+    node.peer_marks(7, records=1)
     peer_rng = _rng_from_bytes(node.peer.read(1)["rng"])["torch"]
     with torch.no_grad():  # forward and backward of step 8 change no weights; the optimizer step never came
         node.model.weight.grad = torch.ones_like(node.model.weight)
 
-    assert node.write(7) == 7
+    assert node.write() == 7
     assert node.steps() == [7]
     listing = node.store.latest_valid()
     assert listing[0].meta["survivor"] is True
@@ -156,29 +163,31 @@ def test_the_copy_holds_the_survivors_model_every_ranks_rng_and_the_means_of_eve
     assert node.completed == [{"loss": (2.0 + 18.0) / 8}]
 
 
-@pytest.mark.parametrize("why", ["peer-behind", "peer-other-round", "peer-never-wrote", "outside-a-step"])
-def test_no_copy_when_any_slot_names_another_step_or_round(node, why):
-    node.copies.mark(7, CPU)
+@pytest.mark.parametrize("why", ["peer-behind", "peer-before-the-reduce", "peer-other-round", "peer-never-wrote",
+                                 "this-rank-past-its-slot"])
+def test_no_copy_when_any_slot_names_another_step_history_or_round(node, why):
+    node.at(7, records=2)
+    node.copies.mark(CPU)
     if why == "peer-behind":
-        node.peer_marks(6)  # it died between steps 6 and 7: this rank's model may be past its slot
+        node.peer_marks(6, records=2)  # it died after its optimizer step 7, before its slot: its RNG may have moved
+    elif why == "peer-before-the-reduce":
+        node.peer_marks(7, records=1)  # its sums are still in its slot, and already in this rank's history
     elif why == "peer-other-round":
-        node.peer_marks(7, round_id="round-before")  # the slot of an earlier attempt
-    elif why == "outside-a-step":
-        node.peer_marks(7)
-        node.copies.marked_step = 7
-        assert node.write(8) is None  # the step advanced past the mark: lost in a reduce or a snapshot
-        assert node.steps() == [] and node.completed == []
-        return
-    assert node.write(7) is None
+        node.peer_marks(7, records=2, round_id="round-before")  # the slot of an earlier attempt
+    elif why == "this-rank-past-its-slot":
+        node.peer_marks(7, records=2)
+        node.at(7, records=3)  # a reduce moved this rank's sums into its history and the slot was not written again
+    assert node.write() is None
     assert node.steps() == [] and node.completed == []
 
 
 def test_a_step_the_fast_tier_already_holds_is_not_written_again(node):
-    node.copies.mark(7, CPU)
+    node.at(7)
+    node.copies.mark(CPU)
     node.peer_marks(7)
-    assert node.write(7) == 7
+    assert node.write() == 7
     first = node.store.latest_valid()[0].created_unix
-    assert node.write(7) == 7
+    assert node.write() == 7
     assert node.store.latest_valid()[0].created_unix == first
 
 
@@ -188,4 +197,5 @@ def test_survivor_copies_apply_only_to_one_node_groups_without_float_buffers(tmp
     assert "no fast tier" in SurvivorCopies.applies(None, torch.nn.Linear(2, 2), 2, 2)
     assert "single worker" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 1, 1)
     assert "not all on one node" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 4, 2)
+    assert "LOCAL_WORLD_SIZE" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 2, None)
     assert "floating-point buffers" in SurvivorCopies.applies(fast, torch.nn.BatchNorm1d(2), 2, 2)
