@@ -406,7 +406,8 @@ class Trainer:
     def _train(self) -> State:
         self.model.train()
         # This rank's part of a copy of this step, should a peer die before the next one: written
-        # on entry, after every step, and again once a reduce has moved the metric sums into the history.
+        # on entry, in every step once its gradients are in (``_train_step``), and again once a
+        # reduce has moved the metric sums into the history.
         survivors = self.survivors
         if survivors is not None:
             survivors.mark(self.ctx.device)
@@ -423,8 +424,6 @@ class Trainer:
                     self._train_step(batches)
                     self._interval.step_time_s += time.perf_counter() - step_started
                     self._steps_left -= 1
-                    if survivors is not None:
-                        survivors.mark(self.ctx.device)
                     self.watchdog.beat(self.progress.global_step)
                     self.goodput.stepped(self.progress.global_step)
             epoch_ended = self._steps_left == 0
@@ -641,6 +640,10 @@ class Trainer:
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             self._train_sums.add(batch_size_of(batch), {"loss": loss, **metrics})
         sync.finish(accum)  # every rank holds the step's gradients
+        if self.survivors is not None:
+            # Its per-rank state is now what it will be after this step: a rank that dies in the optimizer
+            # step, which its peers also finish, still leaves a slot naming the step they are at.
+            self.survivors.mark(self.ctx.device, step=self.progress.global_step + 1)
         if self.cfg.train.clip_grad_norm is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)

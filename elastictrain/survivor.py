@@ -3,9 +3,10 @@
 Under DDP every rank holds the same model, optimizer and progress, and none of them changes
 between the start of a step and its optimizer step: forward and backward only make gradients.
 What differs per rank is small: its RNG state, its stream position (streams only) and its
-not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory after
-every step, and again after every metric reduce (``StepSlots``, about 12 KB and 0.07 ms), with
-the step and the length of the metric history they go with. When a peer dies, the survivors'
+not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory in
+every step, once the gradients are in and before the optimizer step (nothing per rank changes
+after that point within the step), and again after every metric reduce (``StepSlots``, about
+12 KB and 0.07 ms), with the step and the length of the metric history they go with. When a peer dies, the survivors'
 next collective fails: in the next step's gradient all-reduce, or in a metric reduce or a vote
 between steps. A survivor still at the step its slot names, whose metric history has the length
 every slot names, writes a fast-tier copy of that step from its live model and the slots
@@ -16,16 +17,16 @@ do the same from the healthy data-parallel replicas).
 When no copy is written, and the restart reads the newest timed copy as before:
 
 - the failure came outside training (a snapshot, an evaluation);
-- any slot names another step, history length or rendezvous round (the dead rank died after its
-  optimizer step and before its slot was written, or in the middle of a metric reduce), or is
-  missing;
+- any slot names another step, history length or rendezvous round (the dead rank died in the
+  middle of a metric reduce, or its gradient all-reduce finished on the survivors but not on it),
+  or is missing;
 - the ranks are not all on this node (each node sees only its own slots), or the model has
   floating-point buffers (BatchNorm statistics change in the forward pass and differ per rank);
 - a lower local rank is still alive: it writes the copy (the lowest live one does; liveness is an
   ``flock`` each rank holds on its own file while it runs, released by the kernel when it dies).
 
-It imports nothing of the loop: the loop calls ``mark`` after every step and metric reduce, and
-``write`` when a peer is lost.
+It imports nothing of the loop: the loop calls ``mark`` in every step and after every metric
+reduce, and ``write`` when a peer is lost.
 """
 
 from __future__ import annotations
@@ -159,9 +160,13 @@ class SurvivorCopies:
     def close(self) -> None:
         self.slots.close()
 
-    def mark(self, device: torch.device) -> None:
-        """After a step or a metric reduce, before any collective: this rank's part of a copy of this step."""
-        marked = (self.progress.global_step, len(self.history.records))
+    def mark(self, device: torch.device, step: int | None = None) -> None:
+        """This rank's part of a copy of ``step`` (default: the current one), before its next collective.
+
+        Written once a step's gradients are in, before its optimizer step (``step`` is then the
+        one that step completes: nothing per rank changes in between), and after a metric reduce.
+        """
+        marked = (self.progress.global_step if step is None else step, len(self.history.records))
         self.slots.write({"step": marked[0], "records": marked[1], "round": self.round_id, "rng": _rng_bytes(device),
                           "rank_state": self.rank_state(), "sums": self.pending_sums()})
         self.marked = marked
