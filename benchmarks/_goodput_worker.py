@@ -75,7 +75,7 @@ class Stamps:
 
     def event(self, name: str, when: float | None = None, **fields: object) -> None:
         extra = "".join(f" {key}={value}" for key, value in fields.items())
-        sys.stdout.write(f"{self.prefix} {name} {time.time() if when is None else when:.3f}{extra}\n")
+        sys.stdout.write(f"{self.prefix} {name} {time.time() if when is None else when:.6f}{extra}\n")
         sys.stdout.flush()
 
     def step(self, step: int) -> None:

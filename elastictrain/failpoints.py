@@ -5,7 +5,8 @@ snapshot of the test task takes milliseconds. Instead it sets ``ELASTICTRAIN_FAI
 ``<name>@<step>:<dir>`` and the worker, on reaching that failpoint at that step the first time,
 writes its pid to ``<dir>/failpoint-<name>.pid`` and waits, so the test's kill or signal lands
 exactly there; it goes on when the test creates ``<dir>/failpoint-<name>.resume``. The pid file
-makes it fire once per job, not again in the restarted attempt.
+makes it fire once per job, not again in the restarted attempt. ``ELASTICTRAIN_FAILPOINT_RANK``
+set too, only that rank stops there.
 Unset (always, outside tests), ``hit`` is one dictionary lookup.
 """
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 ENV = "ELASTICTRAIN_FAILPOINT"
+RANK_ENV = "ELASTICTRAIN_FAILPOINT_RANK"
 PAUSE_S = 600.0
 
 
@@ -26,6 +28,8 @@ def hit(name: str, step: int) -> None:
     target, _, directory = spec.partition(":")
     wanted_name, _, wanted_step = target.partition("@")
     if wanted_name != name or (wanted_step and int(wanted_step) != step):
+        return
+    if os.environ.get(RANK_ENV, os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return
     marker = Path(directory or ".") / f"failpoint-{name}.pid"
     if marker.exists():

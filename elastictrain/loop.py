@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset
 
-from . import dist
+from . import dist, failpoints
 from .cadence import FastTierTimer
 from .config import Config, load_config
 from .data import (
@@ -644,6 +644,7 @@ class Trainer:
             # Its per-rank state is now what it will be after this step: a rank that dies in the optimizer
             # step, which its peers also finish, still leaves a slot naming the step they are at.
             self.survivors.mark(self.ctx.device, step=self.progress.global_step + 1)
+        failpoints.hit("optimizer-step", self.progress.global_step + 1)  # tests: a rank killed here, its peers go on
         if self.cfg.train.clip_grad_norm is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)

@@ -121,6 +121,28 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
         assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
 
 
+def test_a_worker_killed_in_the_optimizer_step_its_peer_finishes_is_covered_by_a_survivor_copy_bitwise(tmp_path, reference):
+    """Rank 1 stops once step 138's gradients are in, before its optimizer step (a failpoint), and is
+    killed there; rank 0 finishes step 138 and loses its peer in step 139. Rank 1's slot, written
+    before its optimizer step, already names step 138: the survivor copy is of step 138."""
+    ref_result, ref_traces, _ = reference
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    job = launch_job(tmp_path, "job", ["snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}"],
+                     env={"ELASTICTRAIN_FAILPOINT": f"optimizer-step@138:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
+    pid = int(procs.wait_for_file(failpoints / "failpoint-optimizer-step.pid", TIMEOUT_S, job))
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+
+    result = parse_job(job.output())
+    assert "WARNING survivor copy of step 138 written to " in result.output, result.output[-4000:]
+    assert start_steps(result.output) == [0, 138]
+    assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
+        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+
+
 def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, reference):
     """A node dies: the agent and its workers are SIGKILLed together; a new torchrun carries on."""
     ref_result, ref_traces, _ = reference
