@@ -239,6 +239,7 @@ class Trainer:
         self.fast_timer: FastTierTimer | None = None
         self.survivors: SurvivorCopies | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
+        self._peer_lost = False
         self.signals.install()
         try:
             while not self.machine.finished:
@@ -256,6 +257,8 @@ class Trainer:
             self.events.closed()
             if self.ctx is not None:
                 dist.teardown(self.ctx)
+            if self._peer_lost:  # the launcher's SIGTERM, held for a snapshot a broken group cannot take, ends us now
+                self.signals.redeliver()
         if self.machine.state is State.PREEMPTED:
             raise Preempted(self.signals.requested or "signal", self.progress.global_step)
         return self.summary
@@ -277,6 +280,7 @@ class Trainer:
                 "the launcher restarts the group from the newest snapshot"
             )
             log.error("%s", replacement)
+            self._peer_lost = True
             if self.survivors is not None and self.machine.state is State.TRAIN:
                 self._write_survivor_copy()
         else:

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -67,6 +68,22 @@ class PreemptionSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+
+    def redeliver(self) -> None:
+        """After ``uninstall``: send the held signal again, to the handler it had before (by default: the end).
+
+        For a rank whose group broke while the launcher's SIGTERM was held: the preemption snapshot
+        it was held for cannot be taken any more, and the launcher waits for this process to end
+        before it restarts the group. Left alone, the interpreter's finalization with torch loaded
+        takes about 1 s here; the signal's own default action ends the process at once.
+        """
+        if self.requested is not None and not self._previous:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            signal.raise_signal(getattr(signal, self.requested))
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is None:

@@ -1,5 +1,9 @@
 """A worker that lost a peer leaves at once: its line said, its output flushed, no finalization.
 
+From a script (``Trainer.fit()`` called by the user's code), the same holds when the launcher's
+SIGTERM came first and was held for a preemption snapshot: once the group is found broken, the
+signal takes its default course as soon as ``fit()`` has cleaned up.
+
 ``python -m elastictrain train`` is run in a subprocess whose training raises what ``fit()``
 raises when a collective breaks (``PeerLost``). An atexit handler stands for the interpreter's
 finalization, which with torch loaded took about 1 s here while torchrun waited for it
@@ -8,6 +12,7 @@ finalization, which with torch loaded took about 1 s here while torchrun waited 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,3 +62,39 @@ def test_other_errors_end_the_interpreter_as_usual(tmp_path, error):
     assert done.returncode == 1 and done.stdout == "step 7 trained\n"
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("elastictrain: error: ")
     assert finalized
+
+
+SCRIPT = textwrap.dedent('''
+    import atexit, os, signal, sys
+    from elastictrain import Trainer, seed_everything
+    from tests.helpers.tasks import build
+
+    marker, trace_dir, signalled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    seed_everything(0)
+    task = build(trace_dir, train_samples=256, hidden=16)
+
+    def loss_fn(model, batch):
+        if signalled:
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM: held for a preemption snapshot
+        raise RuntimeError("[/gloo/transport/tcp/pair.cc:537] Connection closed by peer [127.0.0.1]:4242")
+
+    atexit.register(lambda: open(marker, "w").write("finalized"))
+    print("before fit", flush=False)
+    Trainer(task.model, task.optimizer, task.train_data, loss_fn,
+            config={"run": {"dir": trace_dir}, "log": {"progress_bar": False, "plots": False}}).fit()
+''')
+
+
+@pytest.mark.parametrize("signalled", [True, False], ids=["sigterm-held", "no-signal"])
+def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, signalled):
+    marker = tmp_path / "finalized"
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), str(tmp_path), "1" if signalled else "0"],
+                          capture_output=True, text=True, env=job_env(), cwd=REPO_ROOT, timeout=120)
+    assert "lost a peer in state TRAIN at step 0" in done.stderr, done.stderr[-3000:]
+    assert done.stdout == "before fit\n"
+    if signalled:
+        assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
+        assert not marker.exists(), "the held SIGTERM should end the process before the interpreter's finalization"
+    else:  # nothing held: the exception ends the script as any exception would
+        assert done.returncode == 1
+        assert marker.exists()
