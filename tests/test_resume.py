@@ -37,6 +37,13 @@ def reference(reference_run):
     return reference_run.result, reference_run.traces, final_state
 
 
+def assert_same_samples(tmp_path, result, ref_traces) -> None:
+    """Each rank's batches, stitched at the step every attempt restored, are the unbroken run's."""
+    for rank in (0, 1):
+        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
+        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+
+
 def test_reference_run_trains_every_sample_once_per_epoch(reference):
     result, traces, _ = reference
     assert result.summary["state"] == "DONE" and result.summary["step"] == "240"
@@ -65,9 +72,7 @@ def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_ste
     assert start_steps(result.output) == [0, last_snapshot], "expected exactly one restart, from the last snapshot"
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
-    for rank in (0, 1):
-        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
-        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+    assert_same_samples(tmp_path, result, ref_traces)
 
 
 def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bitwise(tmp_path, reference):
@@ -93,9 +98,7 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     assert re.search(r"a1\] INFO fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: \d+ ms a copy, "
                      r"1 failure\(s\)", result.output), result.output[-4000:]
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
-    for rank in (0, 1):
-        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
-        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+    assert_same_samples(tmp_path, result, ref_traces)
 
 
 def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_step_before_bitwise(tmp_path, reference):
@@ -116,9 +119,7 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
     assert start_steps(result.output) == [0, kill_step - 1], "expected exactly one restart, from the survivor copy"
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
-    for rank in (0, 1):
-        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
-        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+    assert_same_samples(tmp_path, result, ref_traces)
 
 
 def test_a_worker_killed_in_the_optimizer_step_its_peer_finishes_is_covered_by_a_survivor_copy_bitwise(tmp_path, reference):
@@ -138,9 +139,7 @@ def test_a_worker_killed_in_the_optimizer_step_its_peer_finishes_is_covered_by_a
     assert "WARNING survivor copy of step 138 written to " in result.output, result.output[-4000:]
     assert start_steps(result.output) == [0, 138]
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
-    for rank in (0, 1):
-        stitched = stitch(read_traces(tmp_path / "trace", rank), start_steps(result.output))
-        assert stitched == ref_traces[rank], f"rank {rank} saw other samples than the unbroken run"
+    assert_same_samples(tmp_path, result, ref_traces)
 
 
 def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, reference):
