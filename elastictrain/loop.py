@@ -499,7 +499,7 @@ class Trainer:
         return self._next_state(NOTHING)
 
     def _write_survivor_copy(self) -> None:
-        """A peer died inside this step: the node's lowest survivor writes the step before it to the fast tier."""
+        """A peer died while training: the node's lowest survivor writes the last step every rank completed."""
         def complete(means: dict[str, float]) -> None:  # what a snapshot of this step would have recorded
             if means:
                 self.history.append(step=self.progress.global_step, epoch=self.progress.epoch,
