@@ -18,6 +18,7 @@ import yaml
 
 from .config import load_config
 from .errors import ConfigError, ElastictrainError, PeerLost
+from .logs import flush_standard_streams
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
 
@@ -38,16 +39,12 @@ def _leave_now(code: int) -> NoReturn:
 
     A rank that lost a peer has nothing left to do. ``fit()`` has already closed the snapshots
     and torn down the process group. What remains is Python's finalization with torch loaded,
-    about 1 s here, and torchrun waits for it before it restarts anyone. When the launcher's
-    SIGTERM came before the peer's death was noticed, the signal was held for a preemption
-    snapshot that a broken group can no longer take, so nothing cuts that second short.
+    about 1 s here, and torchrun waits for it before it restarts anyone. (A launcher's SIGTERM held
+    for a preemption snapshot has already ended the process in ``fit()``; this covers the rank the
+    launcher has not signalled yet.)
     """
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_standard_streams()
     os._exit(code)
 
 

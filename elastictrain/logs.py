@@ -113,3 +113,12 @@ class ProgressReport(Observer):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def flush_standard_streams() -> None:
+    """Flush stdout and stderr before a process ends without the interpreter's finalization."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -411,7 +411,7 @@ class Trainer:
         self.model.train()
         # This rank's part of a copy of this step, should a peer die before the next one: written
         # on entry, in every step once its gradients are in (``_train_step``), and again once a
-        # reduce has moved the metric sums into the history.
+        # reduce has moved the metric sums into the history (``_reduce_train_metrics``).
         survivors = self.survivors
         if survivors is not None:
             survivors.mark(self.ctx.device)
@@ -435,8 +435,6 @@ class Trainer:
                 self._end_epoch()
             if epoch_ended or self.progress.global_step % self.cfg.train.log_every_steps == 0:
                 self._reduce_train_metrics()
-                if survivors is not None:  # the sums were reset (and a stream's epoch may have ended)
-                    survivors.mark(self.ctx.device)
             if self.signals.requested is not None and not self._preempt_announced:
                 self._announce_signal()  # at the step it arrived in, though the vote may come later
             # The vote posted now is read at the next voting boundary: it overlaps the steps between.
@@ -447,8 +445,6 @@ class Trainer:
             if next_state is not State.TRAIN:
                 if self._train_sums.count:
                     self._reduce_train_metrics()
-                    if survivors is not None:
-                        survivors.mark(self.ctx.device)
                 # Leave TRAIN with nothing in flight and everything every rank asked for.
                 return self._next_state(requests | self.vote.settle(self._local_requests()))
 
@@ -502,9 +498,7 @@ class Trainer:
         """A peer died while training: the node's lowest survivor writes the last step every rank completed."""
         def complete(means: dict[str, float]) -> None:  # what a snapshot of this step would have recorded
             if means:
-                self.history.append(step=self.progress.global_step, epoch=self.progress.epoch,
-                                    **{f"train_{name}": value for name, value in means.items()},
-                                    lr=self.task.optimizer.param_groups[0]["lr"])
+                self._record_train_means(means)
             self.progress.last_local_snapshot_step = self.progress.global_step
             self.run_log.current["wall_s"] = time.monotonic() - self._started
             self.run_log.current["survivor_copy"] = 1  # its failure lost no work: cadence.py does not count it
@@ -675,16 +669,23 @@ class Trainer:
         slots[world + self.ctx.rank] = self.sync_timer.take()
         means, slots = self._train_sums.reduce(self.ctx, slots)
         self._interval = _Interval(self.progress.global_step, now)
-        if not means:
+        record = self._record_train_means(means) if means else None
+        if self.survivors is not None:  # the sums are now in the history (and a stream's epoch may have ended)
+            self.survivors.mark(self.ctx.device)
+        if record is None:
             return
-        record = {f"train_{name}": value for name, value in means.items()}
-        record["lr"] = self.task.optimizer.param_groups[0]["lr"]
-        self.history.append(step=self.progress.global_step, epoch=self.progress.epoch, **record)
         self.events.trained(TrainInterval(
             step=self.progress.global_step, epoch=self.progress.epoch, steps=steps,
             samples=steps * self.shard.samples_per_step, elapsed_s=now - interval.started, metrics=record,
             step_time_s_by_rank=slots[:world], sync_wait_s_by_rank=slots[world:],
         ))
+
+    def _record_train_means(self, means: dict[str, float]) -> dict[str, float]:
+        """The history record of the training metrics reduced at this step (a log interval, or a survivor copy's)."""
+        record = {f"train_{name}": value for name, value in means.items()}
+        record["lr"] = self.task.optimizer.param_groups[0]["lr"]
+        self.history.append(step=self.progress.global_step, epoch=self.progress.epoch, **record)
+        return record
 
     def _autocast(self) -> Any:
         dtype = self.cfg.train.autocast_dtype

@@ -18,9 +18,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from typing import Any
+
+from .logs import flush_standard_streams
 
 log = logging.getLogger("elastictrain")
 
@@ -78,11 +79,7 @@ class PreemptionSignals:
         takes about 1 s here; the signal's own default action ends the process at once.
         """
         if self.requested is not None and not self._previous:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
+            flush_standard_streams()
             signal.raise_signal(getattr(signal, self.requested))
 
     def _handle(self, signum: int, frame: Any) -> None:
