@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .threads import prepare_environment
+
 __version__ = "0.1.0"
+
+prepare_environment()  # before anything calls MKL (elastictrain/threads.py)
 
 _EXPORTS = {
     "Config": "config", "load_config": "config",

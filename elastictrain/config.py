@@ -67,6 +67,9 @@ class TrainConfig(_Section):
     # batch_size samples at any world size (which must divide N), each with its own RNG stream, their
     # gradients summed in one fixed tree, so a run that shrinks and grows ends bitwise equal to an unbroken one.
     virtual_shards: NonNegativeInt = 0
+    # Bits depend on the thread count: auto pins every start to the count of the run's first start
+    # (carried in the snapshot) and turns off the runtime's dynamic threading; N pins N; off leaves it all alone.
+    intra_op_threads: PositiveInt | Literal["auto", "off"] = "auto"
 
 
 class DataConfig(_Section):

@@ -52,6 +52,7 @@ from .snapshotter import Snapshotter
 from .states import State, StateMachine
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
 from .survivor import SurvivorCopies
+from .threads import ThreadPin
 from .task import PendingScheduler, Task, load_task, split_loss
 from .vote import NOTHING, Requests, StepVote
 from .watchdog import Watchdog, WatchdogSettings
@@ -165,6 +166,7 @@ class Trainer:
         self.history = History()
         self.run_log = RunLog()
         self.batch_geometry = BatchGeometry()
+        self.threads = ThreadPin(self.cfg.train.intra_op_threads)  # bits: the run's thread count at every start
         self.goodput = Goodput()  # on every rank: its counters travel in the snapshot
         self.machine = StateMachine()
         self.events = Observers([self.goodput, *observers])
@@ -297,6 +299,7 @@ class Trainer:
         launch = dist.detect_launch_env()
         self._rank_label = str(launch.rank)
         setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
+        self.threads.start()
         self.ctx = dist.setup(self.cfg.dist)
         self.machine.log_transitions = self.ctx.is_main
         self._attach_observers()
@@ -334,7 +337,7 @@ class Trainer:
         self.snapshots = Snapshotter(self.cfg, self.ctx, dist.unwrap(self.model), {
             "optimizer": self.task.optimizer, "lr_scheduler": self.task.lr_scheduler, "grad_scaler": self.scaler,
             "progress": self.progress, "history": self.history, "run_log": self.run_log, "goodput": self.goodput,
-            "batch_geometry": self.batch_geometry,
+            "batch_geometry": self.batch_geometry, "threads": self.threads,
         }, train_samples=None if self.stream else len(self.task.train_data),
             rank_statefuls={"train_data": self.task.train_data} if self.stream else {})
         # The fast tier: a full copy on each node, restored from first when it is the newest.
@@ -390,6 +393,8 @@ class Trainer:
             restored=restored is not None,
         )
         self.events.restored(self.progress.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        if self.ctx.is_main:
+            log.info("%s", self.threads.report())
         # snapshot.every_seconds counts from the durable store's newest snapshot (the run's first start
         # while it has none), not from this attempt: a job failing more often still gets durable snapshots.
         durable = self.snapshots.last_committed

@@ -238,12 +238,6 @@ class Snapshotter:
                 "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
                 where, saved_env["world_size"], self.ctx.world_size, progress.epoch_offset, progress.epoch,
             )
-        if saved_env["num_threads"] != torch.get_num_threads():
-            log.warning(
-                "%s was taken with %d intra-op threads, this worker has %d: float results can differ in the last bits; "
-                "set OMP_NUM_THREADS=%d for bitwise-identical resumes", where, saved_env["num_threads"],
-                torch.get_num_threads(), saved_env["num_threads"],
-            )
         log.info("restored %s: step %d, epoch %d, sample %d of the epoch", where, progress.global_step,
                  progress.epoch, progress.epoch_offset)
 

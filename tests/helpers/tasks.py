@@ -42,7 +42,8 @@ class IndexedDataset(Dataset):
 
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
-          slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False, **spiral_args) -> Task:
+          slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False,
+          thread_sensitive: bool = False, **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
@@ -74,7 +75,12 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
                 while True:  # a deadlock in user code: only the watchdog (or a kill) ends this
                     time.sleep(1)
             time.sleep(step_sleep_s + (slow_step_s if str(slow_rank) == rank else 0.0))
-        return spirals.cross_entropy_with_accuracy(model, batch)
+        if not thread_sensitive:
+            return spirals.cross_entropy_with_accuracy(model, batch)
+        loss, metrics = spirals.cross_entropy_with_accuracy(model, batch)
+        # Scaled by a mean of 2M squares (~1.0): its last bits, and so every gradient's, depend on the
+        # intra-op thread count, which splits the sum.
+        return loss * _BIG.pow(2).mean(), metrics
 
     trace_path.touch()
     if lr_factory:  # a schedule that must know the run's length: linear decay to zero at the last step
@@ -87,6 +93,10 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
     task.val_data = IndexedDataset(task.val_data)
     task.loss_fn = traced_loss
     return task
+
+
+# Reductions over 2M elements are split among intra-op threads (1M are not, in torch 2.13 on CPU).
+_BIG = torch.randn(2_000_000, generator=torch.Generator().manual_seed(7))
 
 
 def _pause_once(marker: Path) -> None:
