@@ -24,6 +24,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -70,6 +71,13 @@ class TrainConfig(_Section):
     # Bits depend on the thread count: auto pins every start to the count of the run's first start
     # (carried in the snapshot) and turns off the runtime's dynamic threading; N pins N; off leaves it all alone.
     intra_op_threads: PositiveInt | Literal["auto", "off"] = "auto"
+
+    @field_validator("intra_op_threads", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        if value is True:  # not a count of 1
+            raise ValueError("expected a thread count, auto or off")
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
 
 class DataConfig(_Section):

@@ -148,7 +148,8 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state(
         {
             "bit_generator": "MT19937",
-            "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            # On CUDA the state object is loaded onto the device (the optimizer's tensors belong there): RNG states come back.
+            "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
             "has_gauss": numpy_state["has_gauss"],
             "gauss": numpy_state["gauss"],
         }
