@@ -646,23 +646,27 @@ class SnapshotStore:
 
     def _objects_by_snapshot(self) -> dict[str, int]:
         """step-* id -> number of objects under it; prefixes without objects (empty markers) are absent."""
+        return {snapshot_id: len(sizes) for snapshot_id, sizes in self._object_sizes().items()}
+
+    def _object_sizes(self) -> dict[str, dict[str, int]]:
+        """step-* id -> {object name: size in bytes}, from one listing; prefixes without objects are absent."""
         self.fs.invalidate_cache(self.root)  # object-store listings are cached; we need the truth
         try:
-            paths = self._call("find", self.root, withdirs=False)
+            found = self._call("find", self.root, withdirs=False, detail=True)
         except FileNotFoundError:
-            paths = []
-        if not paths and self._is_s3:
+            found = {}
+        if not found and self._is_s3:
             self._check_bucket()  # an empty listing of a missing bucket is a mistake, not a fresh store
         root = self.fs._strip_protocol(self.root).rstrip("/") + "/"
-        counts: dict[str, int] = {}
-        for path in paths:
+        sizes: dict[str, dict[str, int]] = {}
+        for path, info in found.items():
             path = self.fs._strip_protocol(path)
             if not path.startswith(root):
                 continue
             snapshot_id, sep, rest = path[len(root):].partition("/")
             if sep and rest and SNAPSHOT_ID.match(snapshot_id):
-                counts[snapshot_id] = counts.get(snapshot_id, 0) + 1
-        return counts
+                sizes.setdefault(snapshot_id, {})[rest] = info.get("size")
+        return sizes
 
     def _read_object(self, snapshot_id: str, name: str) -> bytes | None:
         """Bytes of one object, None if it does not exist."""
@@ -735,12 +739,21 @@ class SnapshotStore:
             )
 
     def prune(self, keep_last: int) -> list[str]:
-        """After a commit, keep the newest `keep_last` committed snapshots and delete older ones (and torn ones below them)."""
+        """After a commit, keep the newest `keep_last` intact snapshots and delete older ones (and torn ones below them).
+
+        Intact: committed, with every object of its manifest present at its size. A committed
+        snapshot truncated later does not count toward ``keep_last``: a resume skips it, so one
+        more older snapshot is kept in its place (it is left alone itself when it is newer).
+        Checksums are not read here; a flipped byte is caught when a resume reads it.
+        """
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         with self._operation(f"cannot prune {self.url}", "check permissions of snapshot.url"):
             listings = self.list_snapshots()
-            committed = [listing for listing in listings if listing.manifest is not None]
+            sizes = self._object_sizes()
+            committed = [listing for listing in listings if listing.manifest is not None and all(
+                sizes.get(listing.snapshot_id, {}).get(name) == entry.size
+                for name, entry in listing.manifest.objects.items())]
             if not committed:
                 return []
             oldest_kept_step = committed[-keep_last:][0].step
