@@ -144,8 +144,8 @@ class Snapshotter:
                 elif self.store.list_snapshots():
                     # A fresh run writing beside another run's snapshots would mix the two.
                     raise SnapshotError(
-                        f"snapshot.resume=false but {self.store.url} already holds snapshots; point snapshot.url "
-                        "(or run.name) somewhere empty, or remove them — nothing was deleted"
+                        f"snapshot.resume=false but {self.store.url} already holds snapshots; "
+                        f"{start_fresh_advice(self.cfg)}, or remove them — nothing was deleted"
                     )
             except ElastictrainError as exc:
                 error = (type(exc).__name__, str(exc))
@@ -199,9 +199,9 @@ class Snapshotter:
         if state.get("format_version") != FORMAT_VERSION:
             raise SnapshotError(
                 f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
-                "use the elastictrain version that wrote it, or set snapshot.resume=false to start fresh"
+                f"use the elastictrain version that wrote it, or {start_fresh_advice(self.cfg)} — nothing was deleted"
             )
-        load_model_weights(self.model, weights, where)
+        load_model_weights(self.model, weights, where, start_fresh_advice(self.cfg))
         self._check_config(state.get("config", {}), state["env"], where)
         if self.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
             _warn_on_changed_hyperparameters(self.statefuls["optimizer"], state["optimizer"], where)
@@ -260,7 +260,7 @@ class Snapshotter:
             shown = ", ".join(f"{key}={changes[key][0]!r} (this run: {changes[key][1]!r})" for key in critical)
             raise SnapshotError(
                 f"{where} was made with {shown}: resuming would change the data or the batch geometry in the middle "
-                f"of the run; start fresh with another run.name (or an empty snapshot.url), or accept it with "
+                f"of the run; {start_fresh_advice(self.cfg)}, or accept it with "
                 f"snapshot.accept_changes=[{','.join(critical)}] — nothing was deleted"
             )
         log.warning("%s was made with another config; resuming with this run's: %s", where,
@@ -531,6 +531,14 @@ def _tensor_bytes(tree: Any) -> int:
     if isinstance(tree, (list, tuple)):
         return sum(_tensor_bytes(value) for value in tree)
     return 0
+
+
+def start_fresh_advice(cfg: Config) -> str:
+    """How to start this run over beside its snapshots: the key that gives it an empty store (snapshot.resume=false
+    is refused while the store holds any)."""
+    if cfg.snapshot.url:
+        return f"start fresh with snapshot.url set to an empty location (it is {cfg.snapshot.url})"
+    return f"start fresh with another {'run.dir' if cfg.run.dir else 'run.name'} (snapshots go to {cfg.snapshot_url})"
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
