@@ -11,6 +11,7 @@ import sys
 from tqdm import tqdm
 
 from .config import LogConfig
+from .errors import ConfigError
 from .events import Observer, RunInfo, TrainInterval
 
 log = logging.getLogger("elastictrain")
@@ -32,8 +33,14 @@ def setup_logging(rank: int, restart_count: int, cfg: LogConfig, run_dir: str | 
         old.close()
     log.handlers[:] = [handler]
     if rank == 0 and cfg.jsonl and run_dir is not None:
-        os.makedirs(run_dir, exist_ok=True)
-        json_handler = logging.FileHandler(os.path.join(run_dir, JSONL_NAME), mode="a", encoding="utf-8")
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            json_handler = logging.FileHandler(os.path.join(run_dir, JSONL_NAME), mode="a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"log.jsonl=true but {os.path.join(run_dir, JSONL_NAME)} cannot be written ({exc.strerror or exc}); "
+                "point run.dir at a writable directory, or set log.jsonl=false — nothing saved is lost"
+            ) from None
         json_handler.setFormatter(JsonLinesFormatter(rank, restart_count))
         log.handlers.append(json_handler)
     log.propagate = False

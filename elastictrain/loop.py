@@ -298,9 +298,11 @@ class Trainer:
     def _setup(self) -> State:
         launch = dist.detect_launch_env()
         self._rank_label = str(launch.rank)
-        setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
+        setup_logging(launch.rank, launch.restart_count, self.cfg.log)
         self.threads.start()
         self.ctx = dist.setup(self.cfg.dist)
+        # log.jsonl once the process group is up: a run.dir it cannot write to is recorded for the restarts, which stop at once.
+        setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
         self.machine.log_transitions = self.ctx.is_main
         self._attach_observers()
         train = self.cfg.train

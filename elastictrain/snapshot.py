@@ -231,8 +231,9 @@ def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu
         ) from None
 
 
-def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
-    """Load weights strictly; a different model is one clear error naming the differences."""
+def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str,
+                       start_fresh: str = "start fresh with snapshot.url set to an empty location") -> None:
+    """Load weights strictly; a different model is one clear error naming the differences and ``start_fresh``."""
     own = model.state_dict()
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
@@ -249,7 +250,7 @@ def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where
         ]
         raise SnapshotError(
             f"{where} was saved from a different model ({'; '.join(parts)}); point snapshot.url at this "
-            "model's snapshots or set snapshot.resume=false to start fresh"
+            f"model's snapshots, or {start_fresh} — nothing was deleted"
         )
     model.load_state_dict(weights)
 

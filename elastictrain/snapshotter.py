@@ -16,6 +16,7 @@ It imports nothing of the loop: the loop hands it the objects to save.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -32,7 +33,7 @@ from torch import nn
 from . import errors, failpoints
 from .config import Config
 from .dist import DistContext, all_gather, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
-from .errors import ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
+from .errors import ConfigError, ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .staging import Stager
 from .snapshot import (
@@ -90,6 +91,7 @@ class Snapshotter:
             url, options, retry_for_s = cfg.local_snapshot_url, {}, min(2.0, cfg.snapshot.retry_for_s)
             self.keep_last, self.on_error, self.is_writer = cfg.snapshot.local_keep_last, "continue", ctx.env.local_rank == 0
         self._size_checked = False
+        self._run_name_dir: str | None = None  # the fast tier's directory of run.name, once joined to the run (join_run)
         # Statefuls whose state differs per rank (a stream's position), saved as one entry per rank.
         self.rank_statefuls = rank_statefuls or {}
         self.train_samples = train_samples  # the data position counts samples: another size is another dataset
@@ -97,7 +99,8 @@ class Snapshotter:
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
         self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,
-                                   recycle_keep_last=self.keep_last if tier == "local" else 0)
+                                   recycle_keep_last=self.keep_last if tier == "local" else 0,
+                                   url_key="snapshot.url" if tier == "durable" else "snapshot.local_url")
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
@@ -124,18 +127,20 @@ class Snapshotter:
         them to every other rank.
         """
         started = time.monotonic()
+        run_id = self._open_store()
         local_steps, local_found = [-1], None
         if fast is not None:
-            local_found = fast.newest_local() if self.cfg.snapshot.resume else fast.clear()
-            offer = (local_found[0].step if local_found else -1, self.ctx.env.node_rank)
-            local_steps, nodes = zip(*all_gather(offer, self.ctx))
+            refused = fast.join_run(run_id)
+            if refused is None:
+                local_found = fast.newest_local() if self.cfg.snapshot.resume else fast.clear()
+            offer = (local_found[0].step if local_found else -1, self.ctx.env.node_rank, refused)
+            local_steps, nodes, refusals = zip(*all_gather(offer, self.ctx))
+            for refusal in filter(None, refusals):  # every rank stops with the first node's line
+                raise ConfigError(refusal)
         newest_local = max(local_steps)
         found, error = None, None
         if self.ctx.is_main:
             try:
-                self.store.check_writable()
-                self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
-                self._lease.start()
                 if self.cfg.snapshot.resume:
                     found = self.store.latest_valid(newer_than=newest_local)
                     if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
@@ -144,8 +149,8 @@ class Snapshotter:
                 elif self.store.list_snapshots():
                     # A fresh run writing beside another run's snapshots would mix the two.
                     raise SnapshotError(
-                        f"snapshot.resume=false but {self.store.url} already holds snapshots; point snapshot.url "
-                        "(or run.name) somewhere empty, or remove them — nothing was deleted"
+                        f"snapshot.resume=false but {self.store.url} already holds snapshots; "
+                        f"{start_fresh_advice(self.cfg)}, or remove them — nothing was deleted"
                     )
             except ElastictrainError as exc:
                 error = (type(exc).__name__, str(exc))
@@ -169,6 +174,47 @@ class Snapshotter:
         saved_world_size = int(manifest.meta.get("world_size", self.ctx.world_size))
         return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
+    def _open_store(self) -> str:
+        """Rank 0 checks that the durable store is writable, takes its lease and reads the run's id; every rank
+        returns the id, or raises rank 0's error."""
+        run_id, error = None, None
+        if self.ctx.is_main:
+            try:
+                self.store.check_writable()
+                self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
+                self._lease.start()
+                run_id = self.store.run_id()
+            except ElastictrainError as exc:
+                error = (type(exc).__name__, str(exc))
+        run_id, error = broadcast_from_main((run_id, error), self.ctx)
+        if error is not None:
+            raise getattr(errors, error[0], ElastictrainError)(error[1])
+        return run_id
+
+    def join_run(self, run_id: str) -> str | None:
+        """The fast tier, on every rank: keep this node's copies under the run's id (``SnapshotStore.run_id``).
+
+        A copy in another id's directory belongs to another run (the same run.name with another or
+        an emptied durable store): the node's writer skips it with one line and leaves it alone.
+        Returns why the tier cannot be used here (its directory is not writable), or None.
+        """
+        base = self._run_name_dir = self.cfg.local_snapshot_url
+        old = self.store
+        self.store = SnapshotStore(os.path.join(base, run_id), retry_for_s=old.retry_for_s,
+                                   recycle_keep_last=old.recycle_keep_last, url_key=old.url_key)
+        if not self.is_writer:
+            return None
+        try:
+            self.store.check_writable()
+        except StorageError as exc:
+            return (f"snapshot.local_url={self.cfg.snapshot.local_url} cannot be used on this node: {exc} (or set "
+                    "snapshot.local_url=null to train without the fast tier) — nothing saved is lost")
+        for other in _other_runs_copies(base, run_id):
+            log.warning("skipping the node-local copies in %s: they belong to another run of this run.name (not to the "
+                        "durable store %s) and are never restored here; remove that directory to give its memory back",
+                        other, self.cfg.snapshot_url)
+        return None
+
     def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
         """This node's newest fast copy that verifies (on each node's writer; None elsewhere)."""
         if not self.is_writer:
@@ -187,6 +233,9 @@ class Snapshotter:
         try:
             if self.store.fs.exists(self.store.root):
                 self.store.fs.rm(self.store.root, recursive=True)
+            if self._run_name_dir is not None:
+                with contextlib.suppress(OSError):  # the run.name's directory, once no run's copies are left in it
+                    os.rmdir(self._run_name_dir)
         except OSError as exc:
             log.warning("could not remove the node-local snapshots at %s: %s", self.store.url, exc)
 
@@ -199,9 +248,9 @@ class Snapshotter:
         if state.get("format_version") != FORMAT_VERSION:
             raise SnapshotError(
                 f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
-                "use the elastictrain version that wrote it, or set snapshot.resume=false to start fresh"
+                f"use the elastictrain version that wrote it, or {start_fresh_advice(self.cfg)} — nothing was deleted"
             )
-        load_model_weights(self.model, weights, where)
+        load_model_weights(self.model, weights, where, start_fresh_advice(self.cfg))
         self._check_config(state.get("config", {}), state["env"], where)
         if self.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
             _warn_on_changed_hyperparameters(self.statefuls["optimizer"], state["optimizer"], where)
@@ -254,7 +303,7 @@ class Snapshotter:
             shown = ", ".join(f"{key}={changes[key][0]!r} (this run: {changes[key][1]!r})" for key in critical)
             raise SnapshotError(
                 f"{where} was made with {shown}: resuming would change the data or the batch geometry in the middle "
-                f"of the run; start fresh with another run.name (or an empty snapshot.url), or accept it with "
+                f"of the run; {start_fresh_advice(self.cfg)}, or accept it with "
                 f"snapshot.accept_changes=[{','.join(critical)}] — nothing was deleted"
             )
         log.warning("%s was made with another config; resuming with this run's: %s", where,
@@ -517,6 +566,17 @@ class BackgroundWrite:
         self._thread.join(timeout)
 
 
+def _other_runs_copies(base: str, run_id: str) -> list[str]:
+    """The directories under the fast tier's ``base`` (its run.name) that hold other runs' copies: one per run id, and
+    ``base`` itself when it holds anything else (the copies of an elastictrain that kept them there)."""
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return []
+    ids = [name for name in entries if len(name) == 32 and all(c in "0123456789abcdef" for c in name)]
+    return ([base] if set(entries) - set(ids) else []) + [os.path.join(base, name) for name in ids if name != run_id]
+
+
 def _tensor_bytes(tree: Any) -> int:
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
@@ -525,6 +585,14 @@ def _tensor_bytes(tree: Any) -> int:
     if isinstance(tree, (list, tuple)):
         return sum(_tensor_bytes(value) for value in tree)
     return 0
+
+
+def start_fresh_advice(cfg: Config) -> str:
+    """How to start this run over beside its snapshots: the key that gives it an empty store (snapshot.resume=false
+    is refused while the store holds any)."""
+    if cfg.snapshot.url:
+        return f"start fresh with snapshot.url set to an empty location (it is {cfg.snapshot.url})"
+    return f"start fresh with another {'run.dir' if cfg.run.dir else 'run.name'} (snapshots go to {cfg.snapshot_url})"
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

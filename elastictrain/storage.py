@@ -115,12 +115,13 @@ from elastictrain.errors import (
 )
 
 LEASE_NAME = ".lease.json"
+RUN_ID_NAME = ".run-id"  # the run this store belongs to: node-local copies are kept under it (snapshotter.py)
 
 Writer = Callable[[BinaryIO], None]  # streams one payload object into the file it is given
 
 log = logging.getLogger("elastictrain.storage")
 
-_CHECK_STORE = "check the path/credentials or set snapshot.url"
+_CHECK_STORE = "check the path/credentials or set {key}"
 
 _MIN_UPLOAD_BYTES_PER_S = 1 << 20  # slower than this, an upload attempt counts as not answering
 _STAGE_IN_MEMORY_BYTES = 8 << 20
@@ -267,11 +268,12 @@ class SnapshotStore:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 checksum: str = DEFAULT_CHECKSUM, recycle_keep_last: int = 0):
+                 checksum: str = DEFAULT_CHECKSUM, recycle_keep_last: int = 0, url_key: str = "snapshot.url"):
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, got {checksum!r}")
         self.recycle_keep_last = recycle_keep_last
         self.url = url
+        self.url_key = url_key  # the config key that set the URL: messages tell the user to change that one
         self.retry_for_s = float(retry_for_s)
         self.checksum = checksum
         self.last_commit_timings: CommitTimings | None = None
@@ -283,11 +285,12 @@ class SnapshotStore:
         except ImportError as exc:
             # fsspec names the missing package ("Install s3fs to access S3").
             raise StorageError(
-                f"snapshot.url={url!r} needs a filesystem package that is not installed ({self._scrub(one_line(exc))}); "
+                f"{url_key}={url!r} needs a filesystem package that is not installed ({self._scrub(one_line(exc))}); "
                 "for s3:// run pip install 'elastictrain[s3]'"
             ) from None
         except (ValueError, TypeError) as exc:
-            raise StorageError(f"snapshot.url={url!r} cannot be opened ({self._scrub(one_line(exc))}); {_CHECK_STORE}") from None
+            raise StorageError(f"{url_key}={url!r} cannot be opened ({self._scrub(one_line(exc))}); "
+                               f"{_CHECK_STORE.format(key=url_key)}") from None
         self._is_local = isinstance(self.fs, LocalFileSystem)
         self._is_async = isinstance(self.fs, fsspec.asyn.AsyncFileSystem)
         self._attempt_limit_s: float | None = None
@@ -341,7 +344,7 @@ class SnapshotStore:
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise
-            raise self._translate(exc, failure, advice, time.monotonic() - state.started) from None
+            raise self._translate(exc, failure, advice.format(key=self.url_key), time.monotonic() - state.started) from None
         finally:
             state.deadline = None
 
@@ -449,7 +452,7 @@ class SnapshotStore:
         where = self._where(snapshot_id)
         started = time.perf_counter()
         timings = CommitTimings()
-        with self._operation(f"snapshot {where} could not be written", "check free space and permissions of snapshot.url"):
+        with self._operation(f"snapshot {where} could not be written", "check free space and permissions of {key}"):
             # A prefix already here is a torn leftover or an older snapshot of this step; its
             # stale objects must not survive next to the new ones. (A listing, not a HEAD: a
             # refused credential then says so instead of a bare 403.)
@@ -624,7 +627,7 @@ class SnapshotStore:
         free = shutil.disk_usage(existing).free
         return StorageError(
             f"snapshot {where} could not be written: the device is full (needed ~{needed} bytes, {free} bytes free); "
-            "free space or point snapshot.url elsewhere — earlier snapshots are intact"
+            f"free space or point {self.url_key} elsewhere — earlier snapshots are intact"
         )
 
     # -- reading --------------------------------------------------------------------------------
@@ -646,23 +649,27 @@ class SnapshotStore:
 
     def _objects_by_snapshot(self) -> dict[str, int]:
         """step-* id -> number of objects under it; prefixes without objects (empty markers) are absent."""
+        return {snapshot_id: len(sizes) for snapshot_id, sizes in self._object_sizes().items()}
+
+    def _object_sizes(self) -> dict[str, dict[str, int]]:
+        """step-* id -> {object name: size in bytes}, from one listing; prefixes without objects are absent."""
         self.fs.invalidate_cache(self.root)  # object-store listings are cached; we need the truth
         try:
-            paths = self._call("find", self.root, withdirs=False)
+            found = self._call("find", self.root, withdirs=False, detail=True)
         except FileNotFoundError:
-            paths = []
-        if not paths and self._is_s3:
+            found = {}
+        if not found and self._is_s3:
             self._check_bucket()  # an empty listing of a missing bucket is a mistake, not a fresh store
         root = self.fs._strip_protocol(self.root).rstrip("/") + "/"
-        counts: dict[str, int] = {}
-        for path in paths:
+        sizes: dict[str, dict[str, int]] = {}
+        for path, info in found.items():
             path = self.fs._strip_protocol(path)
             if not path.startswith(root):
                 continue
             snapshot_id, sep, rest = path[len(root):].partition("/")
             if sep and rest and SNAPSHOT_ID.match(snapshot_id):
-                counts[snapshot_id] = counts.get(snapshot_id, 0) + 1
-        return counts
+                sizes.setdefault(snapshot_id, {})[rest] = info.get("size")
+        return sizes
 
     def _read_object(self, snapshot_id: str, name: str) -> bytes | None:
         """Bytes of one object, None if it does not exist."""
@@ -731,16 +738,25 @@ class SnapshotStore:
                 log.warning("skipping snapshot %s: %s", self._where(listing.snapshot_id), reason)
             raise SnapshotError(
                 f"found {len(listings)} snapshot prefix(es) under {self.url} but none verifies; "
-                "nothing was deleted; point snapshot.url elsewhere or remove them to start fresh"
+                f"nothing was deleted; point {self.url_key} elsewhere or remove them to start fresh"
             )
 
     def prune(self, keep_last: int) -> list[str]:
-        """After a commit, keep the newest `keep_last` committed snapshots and delete older ones (and torn ones below them)."""
+        """After a commit, keep the newest `keep_last` intact snapshots and delete older ones (and torn ones below them).
+
+        Intact: committed, with every object of its manifest present at its size. A committed
+        snapshot truncated later does not count toward ``keep_last``: a resume skips it, so one
+        more older snapshot is kept in its place (it is left alone itself when it is newer).
+        Checksums are not read here; a flipped byte is caught when a resume reads it.
+        """
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        with self._operation(f"cannot prune {self.url}", "check permissions of snapshot.url"):
+        with self._operation(f"cannot prune {self.url}", "check permissions of {key}"):
             listings = self.list_snapshots()
-            committed = [listing for listing in listings if listing.manifest is not None]
+            sizes = self._object_sizes()
+            committed = [listing for listing in listings if listing.manifest is not None and all(
+                sizes.get(listing.snapshot_id, {}).get(name) == entry.size
+                for name, entry in listing.manifest.objects.items())]
             if not committed:
                 return []
             oldest_kept_step = committed[-keep_last:][0].step
@@ -765,6 +781,32 @@ class SnapshotStore:
             match = SNAPSHOT_ID.match(snapshot_id)
             if match and int(match.group(1)) < oldest_kept_step:
                 self._delete_marker(snapshot_id)
+
+    # -- the run's identity -----------------------------------------------------------------------
+
+    def run_id(self) -> str:
+        """The id of the run this store belongs to: created by its first start (before any snapshot), then read back.
+
+        A node-local copy is kept under it, so a copy is restored only into the run whose durable
+        store it belongs to: not into a run that reuses the name with another (or an emptied) store.
+        """
+        with self._operation(f"cannot read or write the run id of snapshot store {self.url}"):
+            try:
+                found = self._call("cat_file", self._path(RUN_ID_NAME)).decode("utf-8", "replace").strip()
+            except FileNotFoundError:
+                found = None
+            if found is not None and len(found) == 32 and all(c in "0123456789abcdef" for c in found):
+                return found
+            if found is not None:  # another id would only disown this run's node-local copies, never adopt others'
+                log.warning("the run id %s is unreadable; this run gets a new one", self._where(RUN_ID_NAME))
+            run_id = uuid.uuid4().hex
+            data = run_id.encode()
+            if self._is_local:
+                self._call("makedirs", self.root, exist_ok=True)
+                self._write_local_atomically(self._path(RUN_ID_NAME), lambda handle: handle.write(data))
+            else:
+                self._call("pipe_file", self._path(RUN_ID_NAME), data)
+            return run_id
 
     # -- the store lease ------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class SurvivorCopies:
         self.rank_state = rank_state  # this rank's stream positions (streams only)
         self.pending_sums = pending_sums  # this rank's metric sums since the last reduce (None: unknown)
         ctx = fast.ctx
-        self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)
+        self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
         self.marked: tuple[int, int] | None = None  # (step, history length) of this rank's newest slot
 
     @staticmethod
@@ -155,6 +155,8 @@ class SurvivorCopies:
         return None
 
     def open(self) -> None:
+        # After RESTORE: the fast tier's directory is then this run's own (Snapshotter.join_run).
+        self.slots.directory = os.path.join(self.fast.store.root, _SLOT_DIR)
         self.slots.open()
 
     def close(self) -> None:

@@ -210,7 +210,8 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in nodes.agents[1].output()
 
     shutil.rmtree(tmp_path / "shm-node0")  # the lost node's memory is gone with it
-    assert [s.step for s in SnapshotStore(str(tmp_path / "shm-node1" / "default")).list_snapshots()] == [30, 35]
+    (node1_copies,) = (tmp_path / "shm-node1" / "default").iterdir()  # <run.name>/<run id>: the run's own directory
+    assert [s.step for s in SnapshotStore(str(node1_copies)).list_snapshots()] == [30, 35]
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)
     assert nodes.wait(TIMEOUT_S) == {0: 0, 1: 0}, nodes.output()[-6000:]

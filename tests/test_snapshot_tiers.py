@@ -28,12 +28,18 @@ def trainer(tmp_path, durable: str, max_steps: int | None = None, **snapshot) ->
     })
 
 
+def fast_dir(tmp_path, run_name: str = "default"):
+    """The node-local directory of the one run that used ``run_name`` here (``<local_url>/<run.name>/<run id>``)."""
+    (run_dir,) = (tmp_path / "shm" / run_name).iterdir()
+    return run_dir
+
+
 def local_steps(tmp_path, run_name: str = "default") -> list[int]:
-    return [s.step for s in SnapshotStore(str(tmp_path / "shm" / run_name)).list_snapshots() if s.manifest is not None]
+    return [s.step for s in SnapshotStore(str(fast_dir(tmp_path, run_name))).list_snapshots() if s.manifest is not None]
 
 
 def corrupt(tmp_path, step: int) -> None:
-    path = tmp_path / "shm" / "default" / f"step-{step:012d}" / "model.pt"
+    path = fast_dir(tmp_path) / f"step-{step:012d}" / "model.pt"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -373,6 +373,20 @@ def test_prune_keeps_newest_committed_and_newer_torn(store):
     assert store.latest_valid()[1] == {"model": b"model at step 40"}
 
 
+def test_prune_keeps_keep_last_intact_snapshots_when_the_newest_is_truncated(store):
+    for step in (10, 20, 30):
+        commit_small(store, step)
+    truncate(store, 30)  # committed, then cut short: a resume skips it, so it must not count as kept
+    commit_small(store, 25)  # the resumed run's next snapshot
+
+    deleted = store.prune(keep_last=3)
+
+    assert deleted == []  # 10, 20 and 25 are the 3 intact ones; the truncated 30 stays for a person to look at
+    assert [item.step for item in store.list_snapshots()] == [10, 20, 25, 30]
+    commit_small(store, 40)
+    assert store.prune(keep_last=3) == [snapshot_id_for_step(10)]
+
+
 def test_prune_without_committed_snapshot_deletes_nothing(store):
     make_torn(store, 5)
     assert store.prune(keep_last=1) == []

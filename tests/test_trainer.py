@@ -67,6 +67,35 @@ def test_a_snapshot_of_another_model_is_refused_and_nothing_is_deleted(capfd):
     assert "stopped in state RESTORE at step 0" in capfd.readouterr().err
 
 
+# Each piece of advice a refusal may give to start over, and the overrides that follow it.
+START_FRESH_ADVICE = {
+    "snapshot.resume=false": lambda tmp_path: {"snapshot": {"resume": False}},
+    "start fresh with snapshot.url set to an empty location": lambda tmp_path: {"snapshot": {"url": memory_url()}},
+    "start fresh with another run.dir": lambda tmp_path: {"run": {"dir": str(tmp_path / "another")}},
+}
+
+
+@pytest.mark.parametrize("explicit_url", [True, False], ids=["snapshot.url", "run.dir"])
+def test_the_advice_given_for_a_changed_model_works_when_followed(tmp_path, explicit_url):
+    base = config(memory_url())
+    if not explicit_url:
+        base = {**base, "snapshot": {"every_steps": 10}, "run": {"dir": str(tmp_path / "run")}}
+    seed_everything(0)
+    Trainer.from_task(spirals.build(**SMALL), {**base, "train": {**base["train"], "max_steps": 10}}).fit()
+    changed = {**SMALL, "hidden": 48}
+    seed_everything(0)
+    with pytest.raises(SnapshotError, match="was saved from a different model") as refused:
+        Trainer.from_task(spirals.build(**changed), base).fit()
+    advice = [text for text in START_FRESH_ADVICE if text in str(refused.value)]
+    assert advice, str(refused.value)
+    for text in advice:
+        followed = {**base, **{key: {**base.get(key, {}), **value}
+                               for key, value in START_FRESH_ADVICE[text](tmp_path).items()}}
+        seed_everything(0)
+        summary = Trainer.from_task(spirals.build(**changed), {**followed, "train": {**base["train"], "max_steps": 5}}).fit()
+        assert (summary.state, summary.global_step, summary.attempts) == ("DONE", 5, 1), text
+
+
 def test_unwritable_store_fails_before_any_step(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
