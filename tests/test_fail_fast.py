@@ -91,3 +91,41 @@ def test_an_error_no_restart_can_fix_is_said_by_one_rank_once_and_later_attempts
         [worker for worker, text in later.items() if TORCH_IMPORTED.search(text)]
     if override.startswith("dist."):  # the check can see an import: attempt 0 imported torch
         assert any(TORCH_IMPORTED.search(text) for worker, text in stderr.items() if worker[0] == 0)
+
+
+def torchrun_env(run_dir: Path, restart: int, rank: int) -> dict[str, str]:
+    """What torchrun tells a worker about where its error file goes, as its own layout has it."""
+    return {"TORCHELASTIC_ERROR_FILE": str(run_dir / f"attempt_{restart}" / str(rank) / "error.json"),
+            "TORCHELASTIC_RESTART_COUNT": str(restart), "RANK": str(rank)}
+
+
+def test_the_first_rank_to_meet_a_fatal_error_says_it_and_later_attempts_find_it(tmp_path):
+    from elastictrain.errors import ConfigError, PeerLost
+    from elastictrain.fatal import FatalRecord, claim_line, earlier_attempt_failed, marker_path
+
+    run_dir = tmp_path / "none_abc123"  # torchrun's directory for this agent's run
+    run_dir.mkdir()
+    first, second = ConfigError("unknown key 'train.bach_size'"), ConfigError("unknown key 'train.bach_size'")
+    assert earlier_attempt_failed(torchrun_env(run_dir, 0, 0)) is None
+    assert claim_line(first, torchrun_env(run_dir, 0, 1))
+    assert claim_line(first, torchrun_env(run_dir, 0, 1)), "the rank that logged it also prints it"
+    assert not claim_line(second, torchrun_env(run_dir, 0, 0)), "its peer of the same attempt stays silent"
+    assert claim_line(PeerLost("rank 0 lost a peer"), torchrun_env(run_dir, 0, 0)), "retryable: every rank says its own"
+    assert earlier_attempt_failed(torchrun_env(run_dir, 0, 0)) is None, "this very attempt: it meets the error itself"
+    assert earlier_attempt_failed(torchrun_env(run_dir, 2, 0)) == FatalRecord(restart=0, rank=1, kind="ConfigError",
+                                                                              exit_code=2)
+    assert marker_path(torchrun_env(run_dir, 0, 0)) == run_dir / "elastictrain-fatal-error.json"
+
+
+@pytest.mark.parametrize("layout", ["no torchrun", "another layout"])
+def test_without_torchrun_s_layout_every_process_says_its_error(tmp_path, layout):
+    from elastictrain.errors import ConfigError
+    from elastictrain.fatal import claim_line, earlier_attempt_failed
+
+    (tmp_path / "logs" / "run" / "0").mkdir(parents=True)
+    environ = {} if layout == "no torchrun" else {
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "logs" / "run" / "0" / "error.json"), "TORCHELASTIC_RESTART_COUNT": "1"}
+    for rank in (0, 1):  # two processes, each with its own exception
+        assert claim_line(ConfigError("unknown key"), {**environ, "RANK": str(rank)})
+    assert earlier_attempt_failed({**environ, "TORCHELASTIC_RESTART_COUNT": "2"} if environ else {}) is None
+    assert not list(tmp_path.rglob("elastictrain-fatal-error.json"))
