@@ -19,22 +19,20 @@ a key its peers wrote just now from one that a dead worker left, hence a handsha
 
 Every rank of the round ends with the same nonce, and no two rounds share one. Each wait is bounded
 by ``timeout_s``; running out is a one-line ``DistributedSetupError`` that names the missing ranks.
-Neither side blocks in the store for longer than a quarter of a second, so a launcher's signal (a
-peer died before it joined) ends the wait at once, and the rank says whom it was waiting for.
+Both sides poll in Python rather than block in the store, so a launcher's signal (a peer died
+before it joined) ends the wait at once, and the rank says whom it was waiting for.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from datetime import timedelta
 from typing import Any, Callable
 
 from .errors import DistributedSetupError
 from .signals import SignalledInSetup
 
 POLL_INTERVAL_S = 0.01
-WAIT_SLICE_S = 0.25  # how long a rank waiting for rank 0 may take to notice a signal
 
 
 def agree_on_round(store: Any, rank: int, world_size: int, timeout_s: float,
@@ -52,21 +50,21 @@ def _follow(store: Any, rank: int, timeout_s: float, poll_interval_s: float = PO
     answer = f"round/resp/{token}"
     deadline = clock() + timeout_s
     try:
-        while True:
-            try:
-                # In slices: a signal handler runs between them, never inside the store's blocking wait.
-                store.wait([answer], timedelta(seconds=min(WAIT_SLICE_S, max(deadline - clock(), 0.001))))
-                break
-            except RuntimeError:  # torch's DistStoreError (a RuntimeError): this slice timed out, or the store went away
-                if clock() > deadline:
-                    raise DistributedSetupError(
-                        f"rank {rank} got no answer from rank 0 within {timeout_s:g}s while agreeing on the rendezvous "
-                        "round (rank 0 did not start, or died); the launcher restarts the group (dist.init_timeout_s "
-                        "sets the wait)"
-                    ) from None
-                time.sleep(poll_interval_s)  # a store that went away fails each wait at once
+        while not store.check([answer]):
+            if clock() > deadline:
+                raise DistributedSetupError(
+                    f"rank {rank} got no answer from rank 0 within {timeout_s:g}s while agreeing on the rendezvous "
+                    "round (rank 0 did not start, or died); the launcher restarts the group (dist.init_timeout_s "
+                    "sets the wait)"
+                )
+            time.sleep(poll_interval_s)  # a signal handler runs here, not inside a blocking store call
     except SignalledInSetup as signalled:
         raise signalled.waiting("the process group (rank 0 never joined)") from None
+    except RuntimeError:  # torch's DistStoreError (a RuntimeError): the store went away
+        raise DistributedSetupError(
+            f"rank {rank} lost the rendezvous store while waiting for rank 0 to agree on the rendezvous round; "
+            "the launcher restarts the group"
+        ) from None
     nonce = store.get(answer).decode()
     store.set(f"round/ack/{nonce}/{rank}", token)
     return nonce

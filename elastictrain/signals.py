@@ -49,8 +49,8 @@ class Preempted(SystemExit):
 class SignalledInSetup(Preempted):
     """A configured signal arrived while the rank was still setting up: nothing to snapshot, so it ends now (exit 143).
 
-    Raised by the signal handler itself, wherever the rank is in Python (the rendezvous round waits
-    on the store in short slices for this reason). ``waiting_for`` names what it waited for, once known.
+    Raised by the signal handler itself, wherever the rank is in Python (the rendezvous round polls
+    the store rather than block in it, for this reason). ``waiting_for`` names what it waited for, once known.
     """
 
     def __init__(self, signal_name: str, waiting_for: str = "") -> None:
