@@ -18,6 +18,7 @@ import yaml
 
 from .config import load_config
 from .errors import ConfigError, ElastictrainError, PeerLost
+from .fatal import claim_line, earlier_attempt_failed, marker_path
 from .logs import flush_standard_streams
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ElastictrainError as exc:
-        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        if claim_line(exc):  # under torchrun: once per node, not once per rank and attempt
+            print(f"elastictrain: error: {exc}", file=sys.stderr)
         if isinstance(exc, PeerLost):
             _leave_now(exc.exit_code)
         return exc.exit_code
@@ -161,16 +163,22 @@ def _warnings_to_stderr() -> Iterator[None]:
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
+    earlier = earlier_attempt_failed()
+    if earlier is not None:  # said once by the attempt that met it (fatal.py); torch is not even imported
+        return earlier.exit_code
     try:
         cfg = load_config(config_path, overrides)  # before torch is imported: a config error answers at once
         from .loop import Trainer
 
         trainer = Trainer.from_config(cfg)
     except ConfigError as exc:
-        # Before the Trainer exists; under torchrun every restart would fail the same way.
-        from .dist import stop_repeating
+        # Before the Trainer exists; under torchrun every restart would fail the same way. Where
+        # torchrun's run directory can hold the marker (fatal.py), main()'s claim_line records it:
+        # no store, no torch.
+        if marker_path() is None:
+            from .dist import stop_repeating
 
-        stop_repeating(exc)
+            stop_repeating(exc)
         raise
     summary = trainer.fit()
     return 0 if summary is not None else 1

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import DistConfig
-from .errors import DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
 from .rounds import agree_on_round
 
 log = logging.getLogger("elastictrain")
@@ -168,7 +168,7 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
     if distributed:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and device.type != "cuda":
-            raise DistributedSetupError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
+            raise ConfigError("dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU")
         base = _connect_store(env, cfg)
         run_store = _run_store(env, base)
         round_id = agree_on_round(run_store, env.rank, env.world_size, cfg.init_timeout_s)
@@ -185,7 +185,7 @@ def _choose_device(choice: str, local_rank: int) -> torch.device:
     try:
         device = torch.device(choice)
     except RuntimeError:
-        raise DistributedSetupError(f"dist.device={choice!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"dist.device={choice!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DistributedSetupError(f"dist.device={choice!r} but CUDA is not available here; use dist.device=cpu")
@@ -313,7 +313,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Map
         return model
     if cfg.sync_batchnorm:
         if ctx.device.type != "cuda":
-            raise DistributedSetupError(
+            raise ConfigError(
                 "dist.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm does not run on CPU); "
                 "set dist.sync_batchnorm=false"
             )

@@ -92,7 +92,10 @@ def _print_user_error(exc_type: type[BaseException], exc: BaseException, tb: Tra
     if isinstance(exc, ElastictrainError) and not tracebacks_wanted():
         with contextlib.suppress(OSError, ValueError):  # a closed stdout must not hide the message
             sys.stdout.flush()  # what the script printed comes first, as with a traceback
-        print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
+        from .fatal import claim_line  # imports this module
+
+        if claim_line(exc):  # under torchrun: once per node, not once per rank and attempt
+            print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
         # CPython exits with this code when an excepthook raises SystemExit, so a script's
         # config error ends with 2, as on the command line.
         raise SystemExit(exc.exit_code)

@@ -41,12 +41,13 @@ from .data import (
 )
 from .errors import ConfigError, ElastictrainError, PeerLost, RepeatedFatalError
 from .events import Observer, Observers, RunInfo, SnapshotReport, TrainInterval
+from .fatal import claim_line
 from .geometry import BatchGeometry, apply_fit, fit_to_world, planned_steps
 from .goodput import Goodput
 from .gradsync import make_gradient_sync
 from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
-from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, requeue_slurm_job
+from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, SignalledInSetup, requeue_slurm_job
 from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
 from .snapshotter import Snapshotter
 from .states import State, StateMachine
@@ -175,6 +176,7 @@ class Trainer:
         self.machine.on()(self.events.transition)
         self.machine.on(dst=State.DONE)(self._summarize)
         self.machine.on(dst=State.PREEMPTED)(self._preempted)
+        self.machine.on(src=State.SETUP)(lambda src, dst, step: self.signals.hold())  # from now on a signal is voted on
         self._actions: dict[State, Callable[[], State]] = {
             State.SETUP: self._setup,
             State.RESTORE: self._restore,
@@ -242,7 +244,7 @@ class Trainer:
         self.survivors: SurvivorCopies | None = None
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self._peer_lost = False
-        self.signals.install()
+        self.signals.install(setting_up=True)  # until SETUP is left, a signal ends this rank at once: nothing to save yet
         try:
             while not self.machine.finished:
                 next_state = self._actions[self.machine.state]()
@@ -269,10 +271,16 @@ class Trainer:
         """Say in one line why this rank stopped (a traceback only for bugs), go to FAILED, re-raise."""
         where = (self._rank_label, self.machine.state.name, self.progress.global_step)
         replacement: BaseException | None = None
-        if isinstance(exc, RepeatedFatalError):
-            log.error("rank %s: %s", self._rank_label, exc)
+        if isinstance(exc, SignalledInSetup):  # no traceback: the launcher (or the user) asked it to stop
+            log.error("%s", exc.line(self._rank_label))
+            if self.cfg.preempt.requeue and self._rank_label == "0":
+                requeue_slurm_job()
+        elif isinstance(exc, RepeatedFatalError):
+            if claim_line(exc):  # under torchrun: said once on this node (fatal.py)
+                log.error("rank %s: %s", self._rank_label, exc)
         elif isinstance(exc, ElastictrainError):
-            log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
+            if claim_line(exc):
+                log.error("rank %s stopped in state %s at step %d: %s", *where, exc)
             if not exc.retryable:
                 dist.record_fatal_error(self.ctx, exc)
         elif _is_peer_loss(exc):

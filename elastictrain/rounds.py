@@ -19,16 +19,18 @@ a key its peers wrote just now from one that a dead worker left, hence a handsha
 
 Every rank of the round ends with the same nonce, and no two rounds share one. Each wait is bounded
 by ``timeout_s``; running out is a one-line ``DistributedSetupError`` that names the missing ranks.
+Both sides poll in Python rather than block in the store, so a launcher's signal (a peer died
+before it joined) ends the wait at once, and the rank says whom it was waiting for.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from datetime import timedelta
 from typing import Any, Callable
 
 from .errors import DistributedSetupError
+from .signals import SignalledInSetup
 
 POLL_INTERVAL_S = 0.01
 
@@ -38,19 +40,30 @@ def agree_on_round(store: Any, rank: int, world_size: int, timeout_s: float,
     """The nonce of this round, the same on every rank of it (a store namespaced to the run)."""
     if rank == 0:
         return _lead(store, world_size, timeout_s, poll_interval_s)
-    return _follow(store, rank, timeout_s)
+    return _follow(store, rank, timeout_s, poll_interval_s)
 
 
-def _follow(store: Any, rank: int, timeout_s: float) -> str:
+def _follow(store: Any, rank: int, timeout_s: float, poll_interval_s: float = POLL_INTERVAL_S,
+            clock: Callable[[], float] = time.monotonic) -> str:
     token = uuid.uuid4().hex
     store.set(f"round/req/{rank}", token)
     answer = f"round/resp/{token}"
+    deadline = clock() + timeout_s
     try:
-        store.wait([answer], timedelta(seconds=timeout_s))
-    except RuntimeError:  # torch's DistStoreError (a RuntimeError): the wait timed out or the store went away
+        while not store.check([answer]):
+            if clock() > deadline:
+                raise DistributedSetupError(
+                    f"rank {rank} got no answer from rank 0 within {timeout_s:g}s while agreeing on the rendezvous "
+                    "round (rank 0 did not start, or died); the launcher restarts the group (dist.init_timeout_s "
+                    "sets the wait)"
+                )
+            time.sleep(poll_interval_s)  # a signal handler runs here, not inside a blocking store call
+    except SignalledInSetup as signalled:
+        raise signalled.waiting("the process group (rank 0 never joined)") from None
+    except RuntimeError:  # torch's DistStoreError (a RuntimeError): the store went away
         raise DistributedSetupError(
-            f"rank {rank} got no answer from rank 0 within {timeout_s:g}s while agreeing on the rendezvous round "
-            "(rank 0 did not start, or died); the launcher restarts the group (dist.init_timeout_s sets the wait)"
+            f"rank {rank} lost the rendezvous store while waiting for rank 0 to agree on the rendezvous round; "
+            "the launcher restarts the group"
         ) from None
     nonce = store.get(answer).decode()
     store.set(f"round/ack/{nonce}/{rank}", token)
@@ -63,27 +76,33 @@ def _lead(store: Any, world_size: int, timeout_s: float, poll_interval_s: float,
     deadline = clock() + timeout_s
     answered: dict[int, str] = {}  # rank -> the last token answered for it
     pending = set(range(1, world_size))
-    while pending:
-        for rank in sorted(pending):
-            request = f"round/req/{rank}"
-            if store.check([request]):
-                token = store.get(request).decode()
-                if answered.get(rank) != token:
-                    store.set(f"round/resp/{token}", nonce)
-                    answered[rank] = token
-            if store.check([f"round/ack/{nonce}/{rank}"]):
-                pending.discard(rank)
-        if not pending:
-            break
-        if clock() > deadline:
-            missing = ", ".join(map(str, sorted(pending)))
-            raise DistributedSetupError(
-                f"rank 0: rank(s) {missing} of {world_size} did not check in within {timeout_s:g}s while agreeing on "
-                "the rendezvous round; the launcher restarts the group (dist.init_timeout_s sets the wait)"
-            )
-        time.sleep(poll_interval_s)
+    try:
+        while pending:
+            for rank in sorted(pending):
+                request = f"round/req/{rank}"
+                if store.check([request]):
+                    token = store.get(request).decode()
+                    if answered.get(rank) != token:
+                        store.set(f"round/resp/{token}", nonce)
+                        answered[rank] = token
+                if store.check([f"round/ack/{nonce}/{rank}"]):
+                    pending.discard(rank)
+            if not pending:
+                break
+            if clock() > deadline:
+                raise DistributedSetupError(
+                    f"rank 0: rank(s) {_listed(pending)} of {world_size} did not check in within {timeout_s:g}s while "
+                    "agreeing on the rendezvous round; the launcher restarts the group (dist.init_timeout_s sets the wait)"
+                )
+            time.sleep(poll_interval_s)
+    except SignalledInSetup as signalled:
+        raise signalled.waiting(f"the process group (rank(s) {_listed(pending)} of {world_size} never joined)") from None
     # Every rank has its answer: the handshake's keys would only be stale tokens for the next round.
     for rank, token in answered.items():
         for key in (f"round/req/{rank}", f"round/resp/{token}", f"round/ack/{nonce}/{rank}"):
             store.delete_key(key)
     return nonce
+
+
+def _listed(ranks: set[int]) -> str:
+    return ", ".join(map(str, sorted(ranks)))

@@ -46,16 +46,43 @@ class Preempted(SystemExit):
         self.step = step
 
 
+class SignalledInSetup(Preempted):
+    """A configured signal arrived while the rank was still setting up: nothing to snapshot, so it ends now (exit 143).
+
+    Raised by the signal handler itself, wherever the rank is in Python (the rendezvous round polls
+    the store rather than block in it, for this reason). ``waiting_for`` names what it waited for, once known.
+    """
+
+    def __init__(self, signal_name: str, waiting_for: str = "") -> None:
+        super().__init__(signal_name, 0)
+        self.waiting_for = waiting_for
+
+    def waiting(self, what: str) -> "SignalledInSetup":
+        return SignalledInSetup(self.signal_name, what)
+
+    def line(self, rank: str) -> str:
+        doing = f"was waiting for {self.waiting_for}" if self.waiting_for else "was still setting up"
+        return f"rank {rank} {doing} when {self.signal_name} arrived; nothing to save"
+
+
 class PreemptionSignals:
-    """Record the first of the configured signals; restore the previous handlers on ``uninstall``."""
+    """Record the first of the configured signals; restore the previous handlers on ``uninstall``.
+
+    Installed with ``setting_up=True``, a signal raises ``SignalledInSetup`` at once until ``hold()``
+    is called: before the process group has formed there is no snapshot to take, and a rank that
+    only recorded the launcher's SIGTERM would go on waiting for a peer that never comes until the
+    launcher kills it (torchrun: 30 s later) without a word.
+    """
 
     def __init__(self, names: list[str]) -> None:
         self.names = list(names)
         self.requested: str | None = None
         self.repeats = 0  # further signals after the first, reported once the loop can log
         self._previous: dict[int, Any] = {}
+        self._ends_at_once = False
 
-    def install(self) -> None:
+    def install(self, setting_up: bool = False) -> None:
+        self._ends_at_once = setting_up
         if threading.current_thread() is not threading.main_thread():
             # Python delivers signals to the main thread only; a fit() in another thread keeps
             # the process's handlers and cannot be preempted gracefully.
@@ -64,6 +91,10 @@ class PreemptionSignals:
         for name in self.names:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._handle)
+
+    def hold(self) -> None:
+        """From now on a signal is only recorded, for the loop to stop at an agreed step with a snapshot."""
+        self._ends_at_once = False
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
@@ -87,6 +118,9 @@ class PreemptionSignals:
             self.requested = signal.Signals(signum).name
         else:
             self.repeats += 1
+        if self._ends_at_once:
+            self._ends_at_once = False  # raised once: the rank's clean-up is not interrupted by a second signal
+            raise SignalledInSetup(self.requested)
 
 
 def requeue_slurm_job(environ: dict[str, str] | None = None) -> None:

@@ -1,0 +1,98 @@
+"""An error no restart can fix, said once on a node and remembered there for torchrun's later attempts, without torch.
+
+torchrun restarts a failed worker group whatever its exit code, up to ``--max-restarts``, and
+gives a worker no way to stop it short of signalling the agent (which then dies with a
+traceback of its own). So a config error would be said by every rank of every attempt, each
+attempt paying an interpreter start and a torch import before it learns that. Instead the first
+rank of the node to meet such an error creates a marker in the directory torchrun keeps for
+this agent's run (the parent of each attempt's ``attempt_<n>`` folder, unique to the agent:
+``tempfile.mkdtemp`` under ``--log-dir``) and says the error; every other rank of that attempt,
+and every later attempt, stays silent. ``python -m elastictrain train`` reads the marker before
+it imports torch or parses the config, so a later attempt costs an interpreter start only.
+
+Other nodes learn of an error met on one node through the run's store (``dist.record_fatal_error``).
+Without torchrun, or where its directory layout is not the one expected, there is no marker and
+every process says its error as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .errors import ElastictrainError
+
+MARKER_NAME = "elastictrain-fatal-error.json"
+_SAID = "_elastictrain_says_it"  # on an exception: whether this process says it, once decided
+
+
+@dataclass(frozen=True)
+class FatalRecord:
+    restart: int  # the attempt (TORCHELASTIC_RESTART_COUNT) that met the error
+    rank: int
+    kind: str
+    exit_code: int
+
+
+def marker_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The marker of this torchrun agent's run, or None outside torchrun (or in a layout not recognised)."""
+    env = os.environ if environ is None else environ
+    error_file, restart = env.get("TORCHELASTIC_ERROR_FILE"), env.get("TORCHELASTIC_RESTART_COUNT")
+    if not error_file or restart is None:
+        return None
+    # <log dir>/<run id>_<random>/attempt_<restart>/<local rank>/error.json
+    parents = Path(error_file).parents
+    if len(parents) < 3 or parents[1].name != f"attempt_{restart}":
+        return None
+    return parents[2] / MARKER_NAME
+
+
+def claim_line(error: ElastictrainError, environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process should print ``error``: under torchrun, only the first process of the node that met it.
+
+    The answer is kept on the exception, so the rank that logs it in ``fit()`` also prints it on
+    the command line. A retryable error is always said (each rank's view of a lost peer differs);
+    outside torchrun too.
+    """
+    if error.retryable:
+        return True
+    marker = marker_path(environ)
+    if marker is None:
+        return True
+    decided = getattr(error, _SAID, None)
+    if decided is not None:  # asked again (logged in fit(), then printed by the command line): the same answer
+        return decided
+    said = _create_marker(error, marker, environ)
+    setattr(error, _SAID, said)
+    return said
+
+
+def _create_marker(error: ElastictrainError, marker: Path, environ: Mapping[str, str] | None) -> bool:
+    env = os.environ if environ is None else environ
+    record = {"restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": int(env.get("RANK", "0")),
+              "kind": type(error).__name__, "exit_code": error.exit_code}
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False  # another rank of this node said it, in this attempt or an earlier one
+    except OSError:
+        return True  # the directory is gone or read-only: say it rather than lose it
+    with os.fdopen(fd, "w") as out:
+        json.dump(record, out)
+    return True
+
+
+def earlier_attempt_failed(environ: Mapping[str, str] | None = None) -> FatalRecord | None:
+    """The error an earlier attempt of this torchrun agent met and no restart can fix, if any."""
+    env = os.environ if environ is None else environ
+    marker = marker_path(env)
+    if marker is None:
+        return None
+    try:
+        record = FatalRecord(**json.loads(marker.read_text()))
+    except (OSError, ValueError, TypeError):  # none, or one torn by a kill: this attempt finds out for itself
+        return None
+    return record if record.restart < int(env["TORCHELASTIC_RESTART_COUNT"]) else None

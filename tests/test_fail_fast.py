@@ -1,0 +1,132 @@
+"""When no restart can help, a job under plain torchrun fails fast and says why once.
+
+Real torchrun, real gloo, real SIGTERMs from the agent: a rank 0 that dies before the process
+group forms leaves its peer waiting in set-up, and the agent's SIGTERM must end that peer at once
+(torchrun SIGKILLs it only after its 30 s ``--shutdown-timeout``) with one line naming what it
+waited for. An error no restart can fix is said once on the node, and the later attempts torchrun
+makes anyway stop before they import torch.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import job_env, torchrun_launcher
+from tests.helpers import procs
+
+TIMEOUT_S = 240  # generous: the machine is shared; before the fix one attempt alone took 30 s + start-up
+
+RANK0_DIES_FIRST = textwrap.dedent('''
+    import os, sys
+    from elastictrain import Trainer, seed_everything
+    from tests.helpers.tasks import build
+
+    seed_everything(0)
+    os.makedirs(sys.argv[1], exist_ok=True)
+    task = build(sys.argv[1], train_samples=256, hidden=16)
+    if os.environ["RANK"] == "0":
+        raise RuntimeError("rank 0's own set-up failed before fit()")
+    Trainer.from_task(task, config={"run": {"dir": sys.argv[1]}, "log": {"plots": False}}).fit()
+''')
+
+
+def test_a_rank_whose_peer_died_before_the_group_formed_ends_on_sigterm_and_says_what_it_waited_for(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RANK0_DIES_FIRST)
+    job = procs.launch([*torchrun_launcher(max_restarts=1), str(script), str(tmp_path / "run")],
+                       log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) != 0
+    output = job.output()
+    waited = re.findall(r"\[elastictrain r1 a(\d)\] ERROR (.*)", output)
+    assert waited == [(str(attempt), "rank 1 was waiting for the process group (rank 0 never joined) when SIGTERM "
+                                     "arrived; nothing to save") for attempt in (0, 1)], output[-4000:]
+    # The agent's SIGTERM was enough: it never had to SIGKILL rank 1 after its shutdown timeout.
+    assert "forcefully exiting via 9" not in output, output[-4000:]
+    assert "waitForInput" not in output  # the wait polls: torch warns of every store wait that times out
+    assert output.count("RuntimeError: rank 0's own set-up failed before fit()") == 2  # rank 0's bug keeps its traceback
+    assert "Traceback" in output
+
+
+def worker_stderr(log_dir: Path) -> dict[tuple[int, int], str]:
+    """Each worker's stderr, by (attempt, local rank), from torchrun's ``--log-dir`` with ``--redirects=3``."""
+    files = log_dir.glob("*/attempt_*/*/stderr.log")
+    return {(int(f.parent.parent.name.removeprefix("attempt_")), int(f.parent.name)): f.read_text() for f in files}
+
+
+TORCH_IMPORTED = re.compile(r"^import time:.*\|\s+torch$", re.MULTILINE)  # python -X importtime: the package itself
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.bach_size=3", "invalid config (defaults + overrides): unknown key 'train.bach_size' (did you mean "
+                          "'train.batch_size'?)"),
+    ("dist.backend=nccl", "dist.backend=nccl needs a CUDA device; use dist.backend=gloo on CPU"),
+], ids=["config-typo", "nccl-on-cpu"])
+def test_an_error_no_restart_can_fix_is_said_by_one_rank_once_and_later_attempts_do_not_import_torch(
+        tmp_path, override, message):
+    log_dir = tmp_path / "torchrun-logs"
+    launcher = [*torchrun_launcher(max_restarts=2), f"--log-dir={log_dir}", "--redirects=3"]
+    job = procs.launch([*launcher, "-m", "elastictrain", "train", override, f"run.dir={tmp_path / 'run'}",
+                        "log.plots=false"],
+                       log_path=tmp_path / "job.log", env={**job_env(), "PYTHONPROFILEIMPORTTIME": "1"}, cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) != 0
+    stderr = worker_stderr(log_dir)
+    assert {attempt for attempt, _ in stderr} == {0, 1, 2}, sorted(stderr)  # torchrun restarted twice regardless
+    saying = {worker: [line for line in text.splitlines() if message in line] for worker, text in stderr.items()}
+    saying = {worker: lines for worker, lines in saying.items() if lines}
+    # One rank of the first attempt says it, not every rank of every attempt.
+    assert len(saying) == 1 and next(iter(saying))[0] == 0, saying
+    (lines,) = saying.values()
+    assert lines[-1] == f"elastictrain: error: {message}", lines
+    if override.startswith("dist."):  # met in fit(): the rank's log line says where, the command line's says it again
+        assert len(lines) == 2 and lines[0].endswith(f"ERROR rank {next(iter(saying))[1]} stopped in state SETUP at "
+                                                     f"step 0: {message}"), lines
+    else:
+        assert len(lines) == 1, lines
+    assert not any("skipped" in text for text in stderr.values())
+    later = {worker: text for worker, text in stderr.items() if worker[0] > 0}
+    assert not any(TORCH_IMPORTED.search(text) for text in later.values()), \
+        [worker for worker, text in later.items() if TORCH_IMPORTED.search(text)]
+    if override.startswith("dist."):  # the check can see an import: attempt 0 imported torch
+        assert any(TORCH_IMPORTED.search(text) for worker, text in stderr.items() if worker[0] == 0)
+
+
+def torchrun_env(run_dir: Path, restart: int, rank: int) -> dict[str, str]:
+    """What torchrun tells a worker about where its error file goes, as its own layout has it."""
+    return {"TORCHELASTIC_ERROR_FILE": str(run_dir / f"attempt_{restart}" / str(rank) / "error.json"),
+            "TORCHELASTIC_RESTART_COUNT": str(restart), "RANK": str(rank)}
+
+
+def test_the_first_rank_to_meet_a_fatal_error_says_it_and_later_attempts_find_it(tmp_path):
+    from elastictrain.errors import ConfigError, PeerLost
+    from elastictrain.fatal import FatalRecord, claim_line, earlier_attempt_failed, marker_path
+
+    run_dir = tmp_path / "none_abc123"  # torchrun's directory for this agent's run
+    run_dir.mkdir()
+    first, second = ConfigError("unknown key 'train.bach_size'"), ConfigError("unknown key 'train.bach_size'")
+    assert earlier_attempt_failed(torchrun_env(run_dir, 0, 0)) is None
+    assert claim_line(first, torchrun_env(run_dir, 0, 1))
+    assert claim_line(first, torchrun_env(run_dir, 0, 1)), "the rank that logged it also prints it"
+    assert not claim_line(second, torchrun_env(run_dir, 0, 0)), "its peer of the same attempt stays silent"
+    assert claim_line(PeerLost("rank 0 lost a peer"), torchrun_env(run_dir, 0, 0)), "retryable: every rank says its own"
+    assert earlier_attempt_failed(torchrun_env(run_dir, 0, 0)) is None, "this very attempt: it meets the error itself"
+    assert earlier_attempt_failed(torchrun_env(run_dir, 2, 0)) == FatalRecord(restart=0, rank=1, kind="ConfigError",
+                                                                              exit_code=2)
+    assert marker_path(torchrun_env(run_dir, 0, 0)) == run_dir / "elastictrain-fatal-error.json"
+
+
+@pytest.mark.parametrize("layout", ["no torchrun", "another layout"])
+def test_without_torchrun_s_layout_every_process_says_its_error(tmp_path, layout):
+    from elastictrain.errors import ConfigError
+    from elastictrain.fatal import claim_line, earlier_attempt_failed
+
+    (tmp_path / "logs" / "run" / "0").mkdir(parents=True)
+    environ = {} if layout == "no torchrun" else {
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "logs" / "run" / "0" / "error.json"), "TORCHELASTIC_RESTART_COUNT": "1"}
+    for rank in (0, 1):  # two processes, each with its own exception
+        assert claim_line(ConfigError("unknown key"), {**environ, "RANK": str(rank)})
+    assert earlier_attempt_failed({**environ, "TORCHELASTIC_RESTART_COUNT": "2"} if environ else {}) is None
+    assert not list(tmp_path.rglob("elastictrain-fatal-error.json"))
