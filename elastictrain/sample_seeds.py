@@ -10,7 +10,7 @@ mid-epoch, or at another world size, would augment the same sample differently.
 ``random`` and ``numpy.random`` from ``(seed, index)``, where the loader's seed already holds
 ``run.seed`` and the epoch. In a worker process those streams belong to the worker alone; in
 the training process (``num_workers=0``) they also drive dropout and are saved in snapshots, so
-they are put back after each fetch.
+they are put back after each batch is fetched.
 
 What it cannot reach: a generator the dataset keeps of its own (``torch.Generator``,
 ``numpy.random.default_rng``), which lives in each worker's copy of the dataset, and CUDA draws.
@@ -18,6 +18,7 @@ What it cannot reach: a generator the dataset keeps of its own (``torch.Generato
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -25,7 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+log = logging.getLogger("elastictrain")
+
 _MASK = (1 << 64) - 1
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 
 
 def _mix(value: int) -> int:
@@ -64,9 +68,11 @@ class _SavedRngs:
 class SeededSamples(Dataset):
     """``dataset`` with the global RNGs seeded from ``(seed, index)`` before each sample is fetched.
 
-    Samples are fetched one at a time, through ``__getitem__``, even where the dataset has a
-    batched ``__getitems__``: a batch's draws would depend on the batch's composition, which
-    changes with the world size and ``train.batch_size``.
+    The DataLoader fetches a batch at a time through ``__getitems__``: in the training process
+    the streams are saved once per batch, not per sample (numpy's state alone costs more than the
+    seeding). Samples are still fetched one by one, through the dataset's ``__getitem__``, even
+    where it has a batched ``__getitems__``: a batch's draws would depend on the batch's
+    composition, which changes with the world size and ``train.batch_size``.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -77,9 +83,42 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
         if get_worker_info() is not None:  # a worker process: its streams are its own
-            seed_global_rngs(sample_seed(self.seed, index))
-            return self.dataset[index]
+            return self._fetch(indices)
         with _SavedRngs():
+            return self._fetch(indices)
+
+    def _fetch(self, indices: list[int]) -> list[Any]:
+        samples = []
+        for index in indices:
             seed_global_rngs(sample_seed(self.seed, index))
-            return self.dataset[index]
+            samples.append(self.dataset[index])
+        return samples
+
+
+def own_generators(dataset: Any, name: str = "", depth: int = 3) -> list[str]:
+    """Attributes of ``dataset`` (and of datasets it wraps) that hold a random generator of their own."""
+    found = []
+    for attribute, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
+        path = f"{name or type(dataset).__name__}.{attribute}"
+        if isinstance(value, _GENERATORS):
+            found.append(f"{path} ({type(value).__name__})")
+        elif isinstance(value, Dataset) and depth > 1:
+            found += own_generators(value, path, depth - 1)
+    return found
+
+
+def warn_own_generators(dataset: Dataset) -> None:
+    """One line at start-up for random draws that seeding from the sample cannot reach."""
+    found = own_generators(dataset)
+    if found:
+        log.warning(
+            "train_data keeps a random generator of its own (%s): elastictrain seeds the global torch, random and "
+            "numpy RNGs from each sample before fetching it, not that one, and does not save it, so its draws after a "
+            "resume (or at another num_workers or world size) differ from an unbroken run's; draw from the global "
+            "RNGs in __getitem__ (torch.randn, random, numpy.random), or seed it there from the sample index",
+            ", ".join(found),
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from elastictrain.data import EvalBatchSampler, Shard, ShardedBatchSampler, make_loader, steps_in_epoch
+from elastictrain.sample_seeds import own_generators, warn_own_generators
 
 
 def global_steps(num_samples, world_size, batch_size, accum, seed, epoch, offset):
@@ -108,3 +110,32 @@ def test_seeding_samples_in_the_training_process_leaves_its_rngs_where_they_were
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     augmented_samples(num_workers=0, world_size=1, offset=0)
     assert (torch.rand(()), random.random(), np.random.rand()) == expected
+
+
+class OwnGenerator(torch.utils.data.Dataset):
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.randn((), generator=self.generator)
+
+
+def test_a_dataset_with_a_generator_of_its_own_is_named_at_start_up_and_plain_ones_are_not(caplog):
+    wrapped = torch.utils.data.Subset(OwnGenerator(), [0, 1])
+    assert own_generators(wrapped) == ["Subset.dataset.generator (Generator)"]
+    assert own_generators(TensorDataset(torch.zeros(4))) == own_generators(Augmented()) == []
+    logger = logging.getLogger("elastictrain")
+    extra = [] if logger.propagate else [caplog.handler]  # the package's logger stops propagating once set up
+    for handler in extra:
+        logger.addHandler(handler)
+    try:
+        warn_own_generators(wrapped)
+    finally:
+        for handler in extra:
+            logger.removeHandler(handler)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
+    assert "train_data keeps a random generator of its own (Subset.dataset.generator (Generator))" in record.getMessage()
