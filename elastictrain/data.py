@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .errors import ConfigError
+from .sample_seeds import SeededSamples
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: in
     # a generator of its own; a resumed run creates its iterator at another point of that stream,
     # so without this the dropout masks after a restore would differ from an unbroken run.
     generator = torch.Generator().manual_seed(seed)
+    # Each sample's random augmentation is seeded from (seed, index), so it is the same whichever
+    # process fetches it: after a mid-epoch resume, at any num_workers and any world size.
     return DataLoader(
-        dataset,
+        SeededSamples(dataset, seed),
         batch_sampler=batch_sampler,
         num_workers=num_workers,
         collate_fn=collate_fn,

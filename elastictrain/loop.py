@@ -47,6 +47,7 @@ from .goodput import Goodput
 from .gradsync import make_gradient_sync
 from .logs import ProgressReport, setup_logging
 from .reduce import WeightedSums, reduce_objects
+from .sample_seeds import warn_own_generators
 from .signals import PREEMPTED_EXIT_CODE, Preempted, PreemptionSignals, SignalledInSetup, requeue_slurm_job
 from .snapshot import History, Progress, RunLog, params_sha256, seed_rng
 from .snapshotter import Snapshotter
@@ -317,6 +318,8 @@ class Trainer:
         planned = fit_to_world(train, self.ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry
         self.shard = Shard(self.ctx.rank, self.ctx.world_size, train.batch_size, planned.grad_accum_steps)
         self.stream = is_stream(self.task.train_data)
+        if not self.stream and self.ctx.is_main:
+            warn_own_generators(self.task.train_data)
         if self.stream:
             check_stream(self.task.train_data, self.cfg.data.num_workers, train.max_steps)
             if train.virtual_shards:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import random
+
+import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
 from elastictrain.data import EvalBatchSampler, Shard, ShardedBatchSampler, make_loader, steps_in_epoch
+from elastictrain.sample_seeds import own_generators, warn_own_generators
 
 
 def global_steps(num_samples, world_size, batch_size, accum, seed, epoch, offset):
@@ -64,3 +69,73 @@ def test_iterating_a_loader_leaves_the_global_rng_alone():
     batches = [b[0].tolist() for b in make_loader(data, sampler, num_workers=0, seed=0)]
     assert torch.equal(before, torch.get_rng_state()), "a DataLoader iterator consumed the global RNG"
     assert len(batches) == 8
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample drawn with jitter from all three global RNGs a user's augmentation may use."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        jitter = torch.randn(()) + random.random() + float(np.random.rand())
+        return torch.tensor([float(index), float(jitter)])
+
+
+def augmented_samples(num_workers, world_size, offset, epoch=0):
+    """index -> the augmented sample each rank's loader gave, from ``offset`` global samples on."""
+    samples = {}
+    for rank in range(world_size):
+        sampler = ShardedBatchSampler(48, Shard(rank, world_size, 4), seed=7, epoch=epoch, offset=offset, shuffle=True)
+        for batch in make_loader(Augmented(), sampler, num_workers=num_workers, seed=7 + epoch):
+            samples.update({int(row[0]): float(row[1]) for row in batch})
+    return samples
+
+
+def test_random_augmentation_depends_on_the_sample_only_not_on_worker_resume_point_or_world_size():
+    unbroken = augmented_samples(num_workers=2, world_size=1, offset=0)
+    assert len(unbroken) == 48 and len(set(unbroken.values())) == 48
+    # A resume mid-epoch starts new workers at another batch: every sample still gets its own numbers.
+    for num_workers, world_size, offset in [(2, 1, 20), (2, 1, 12), (0, 1, 20), (2, 2, 16), (0, 4, 16)]:
+        resumed = augmented_samples(num_workers, world_size, offset)
+        assert resumed and resumed == {i: unbroken[i] for i in resumed}, (num_workers, world_size, offset)
+    # Another epoch draws other numbers for the same sample.
+    assert set(augmented_samples(0, 1, 0, epoch=1).values()).isdisjoint(unbroken.values())
+
+
+def test_seeding_samples_in_the_training_process_leaves_its_rngs_where_they_were():
+    """num_workers=0: the global streams also drive dropout and are saved in snapshots."""
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    expected = torch.rand(()), random.random(), np.random.rand()
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    augmented_samples(num_workers=0, world_size=1, offset=0)
+    assert (torch.rand(()), random.random(), np.random.rand()) == expected
+
+
+class OwnGenerator(torch.utils.data.Dataset):
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.randn((), generator=self.generator)
+
+
+def test_a_dataset_with_a_generator_of_its_own_is_named_at_start_up_and_plain_ones_are_not(caplog):
+    wrapped = torch.utils.data.Subset(OwnGenerator(), [0, 1])
+    assert own_generators(wrapped) == ["Subset.dataset.generator (Generator)"]
+    assert own_generators(TensorDataset(torch.zeros(4))) == own_generators(Augmented()) == []
+    logger = logging.getLogger("elastictrain")
+    extra = [] if logger.propagate else [caplog.handler]  # the package's logger stops propagating once set up
+    for handler in extra:
+        logger.addHandler(handler)
+    try:
+        warn_own_generators(wrapped)
+    finally:
+        for handler in extra:
+            logger.removeHandler(handler)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
+    assert "train_data keeps a random generator of its own (Subset.dataset.generator (Generator))" in record.getMessage()

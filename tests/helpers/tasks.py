@@ -40,6 +40,20 @@ class IndexedDataset(Dataset):
         return (*self.inner[index], index)
 
 
+class JitteredDataset(Dataset):
+    """Random augmentation in ``__getitem__``: each point moved by a fresh ``torch.randn`` draw, index kept."""
+
+    def __init__(self, inner: Dataset, scale: float = 0.05) -> None:
+        self.inner, self.scale = inner, scale
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        points, label, index = self.inner[index]
+        return points + self.scale * torch.randn(points.shape), label, index
+
+
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
           slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False,
@@ -146,6 +160,13 @@ def build_stream(trace_dir: str, **args) -> Task:
     """The traced task of ``build`` with its training set as a stream (1537 samples: uneven shards)."""
     task = build(trace_dir, **{"train_samples": 1537, **args})
     task.train_data = SpiralStream(task.train_data.inner)
+    return task
+
+
+def build_jittered(trace_dir: str, **args) -> Task:
+    """The traced task of ``build`` whose training samples are jittered by torch.randn as they are fetched."""
+    task = build(trace_dir, **args)
+    task.train_data = JitteredDataset(task.train_data)
     return task
 
 

@@ -1,0 +1,124 @@
+"""Random augmentation that depends only on which sample is drawn.
+
+A ``Dataset.__getitem__`` that draws from the global RNGs (``torch.randn`` jitter, ``random``,
+``numpy.random``) would otherwise draw from whatever stream the process holds: a DataLoader
+worker's stream restarts with every new iterator, and which worker fetches a sample depends on
+the position the epoch started from, on ``num_workers`` and on the world size. So a run resumed
+mid-epoch, or at another world size, would augment the same sample differently.
+
+``SeededSamples`` wraps a map-style dataset: before each fetch it seeds torch's CPU generator,
+``random`` and ``numpy.random`` from ``(seed, index)``, where the loader's seed already holds
+``run.seed`` and the epoch. In a worker process those streams belong to the worker alone; in
+the training process (``num_workers=0``) they also drive dropout and are saved in snapshots, so
+they are put back after each batch is fetched.
+
+What it cannot reach: a generator the dataset keeps of its own (``torch.Generator``,
+``numpy.random.default_rng``), which lives in each worker's copy of the dataset, and CUDA draws.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+log = logging.getLogger("elastictrain")
+
+_MASK = (1 << 64) - 1
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def _mix(value: int) -> int:
+    """splitmix64's finalizer: neighbouring inputs give unrelated 64-bit outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The 64-bit seed of sample ``index`` under a loader seeded with ``seed``."""
+    return _mix(_mix(seed & _MASK) ^ (index & _MASK))
+
+
+def seed_global_rngs(seed: int) -> None:
+    # torch.default_generator, not torch.manual_seed: that also seeds every CUDA device, whose
+    # streams drive the training process's dropout on a GPU.
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed >> 32)
+
+
+class _SavedRngs:
+    """The training process's global CPU streams, put back as they were on exit."""
+
+    def __enter__(self) -> None:
+        self.torch, self.random, self.numpy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self.torch)
+        random.setstate(self.random)
+        np.random.set_state(self.numpy)
+
+
+class SeededSamples(Dataset):
+    """``dataset`` with the global RNGs seeded from ``(seed, index)`` before each sample is fetched.
+
+    The DataLoader fetches a batch at a time through ``__getitems__``: in the training process
+    the streams are saved once per batch, not per sample (numpy's state alone costs more than the
+    seeding). Samples are still fetched one by one, through the dataset's ``__getitem__``, even
+    where it has a batched ``__getitems__``: a batch's draws would depend on the batch's
+    composition, which changes with the world size and ``train.batch_size``.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        if get_worker_info() is not None:  # a worker process: its streams are its own
+            return self._fetch(indices)
+        with _SavedRngs():
+            return self._fetch(indices)
+
+    def _fetch(self, indices: list[int]) -> list[Any]:
+        samples = []
+        for index in indices:
+            seed_global_rngs(sample_seed(self.seed, index))
+            samples.append(self.dataset[index])
+        return samples
+
+
+def own_generators(dataset: Any, name: str = "", depth: int = 3) -> list[str]:
+    """Attributes of ``dataset`` (and of datasets it wraps) that hold a random generator of their own."""
+    found = []
+    for attribute, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
+        path = f"{name or type(dataset).__name__}.{attribute}"
+        if isinstance(value, _GENERATORS):
+            found.append(f"{path} ({type(value).__name__})")
+        elif isinstance(value, Dataset) and depth > 1:
+            found += own_generators(value, path, depth - 1)
+    return found
+
+
+def warn_own_generators(dataset: Dataset) -> None:
+    """One line at start-up for random draws that seeding from the sample cannot reach."""
+    found = own_generators(dataset)
+    if found:
+        log.warning(
+            "train_data keeps a random generator of its own (%s): elastictrain seeds the global torch, random and "
+            "numpy RNGs from each sample before fetching it, not that one, and does not save it, so its draws after a "
+            "resume (or at another num_workers or world size) differ from an unbroken run's; draw from the global "
+            "RNGs in __getitem__ (torch.randn, random, numpy.random), or seed it there from the sample index",
+            ", ".join(found),
+        )
