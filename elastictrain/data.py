@@ -83,15 +83,17 @@ class EvalBatchSampler:
             yield self.indices[start : start + self.batch_size]
 
 
-def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: int, collate_fn: Any = None) -> DataLoader:
+def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: int, collate_fn: Any = None,
+                seed_in_process: bool = True) -> DataLoader:
     # A DataLoader iterator draws its worker base seed from the *global* torch RNG unless it has
     # a generator of its own; a resumed run creates its iterator at another point of that stream,
     # so without this the dropout masks after a restore would differ from an unbroken run.
     generator = torch.Generator().manual_seed(seed)
     # Each sample's random augmentation is seeded from (seed, index), so it is the same whichever
-    # process fetches it: after a mid-epoch resume, at any num_workers and any world size.
+    # process fetches it: after a mid-epoch resume, at any num_workers and any world size. At
+    # num_workers=0 only with ``seed_in_process`` (the training process's streams are in snapshots).
     return DataLoader(
-        SeededSamples(dataset, seed),
+        SeededSamples(dataset, seed, in_process=seed_in_process),
         batch_sampler=batch_sampler,
         num_workers=num_workers,
         collate_fn=collate_fn,

@@ -470,7 +470,8 @@ class Trainer:
         model = dist.unwrap(self.model)  # no DDP here: shards may be uneven, so no per-forward collective
         model.eval()
         sampler = EvalBatchSampler(len(self.task.val_data), self.ctx.rank, self.ctx.world_size, self.cfg.data.val_batch_size)
-        loader = make_loader(self.task.val_data, sampler, self.cfg.data.num_workers, self.cfg.run.seed, self.task.collate_fn)
+        loader = make_loader(self.task.val_data, sampler, self.cfg.data.num_workers, self.cfg.run.seed, self.task.collate_fn,
+                             seed_in_process=False)
         count, sums = 0, {}
         with torch.no_grad(), self._autocast():
             for batch in loader:
@@ -622,6 +623,7 @@ class Trainer:
         loader = make_loader(
             self.task.train_data, sampler, self.cfg.data.num_workers,
             self.cfg.run.seed + self.progress.epoch, self.task.collate_fn,
+            seed_in_process=self.cfg.train.virtual_shards > 0,  # the same numbers whichever rank fetches a sample
         )
         self._batches = iter(loader)
         self._steps_left = sampler.steps

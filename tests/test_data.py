@@ -139,3 +139,16 @@ def test_a_dataset_with_a_generator_of_its_own_is_named_at_start_up_and_plain_on
     [record] = caplog.records
     assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
     assert "train_data keeps a random generator of its own (Subset.dataset.generator (Generator))" in record.getMessage()
+
+
+def test_outside_the_bitwise_elastic_mode_the_training_process_draws_from_its_own_streams():
+    # At num_workers=0 the training process's streams are in every snapshot: no per-batch save and seed.
+    sampler = ShardedBatchSampler(48, Shard(0, 1, 4), seed=7, epoch=0, offset=0, shuffle=True)
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    first = [batch for batch in make_loader(Augmented(), sampler, num_workers=0, seed=7, seed_in_process=False)]
+    torch.manual_seed(4), random.seed(4), np.random.seed(4)
+    second = [batch for batch in make_loader(Augmented(), sampler, num_workers=0, seed=7, seed_in_process=False)]
+    assert not torch.equal(torch.cat(first), torch.cat(second))  # the process's streams drove the jitter
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    again = [batch for batch in make_loader(Augmented(), sampler, num_workers=0, seed=7, seed_in_process=False)]
+    assert torch.equal(torch.cat(first), torch.cat(again))
