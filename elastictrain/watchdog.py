@@ -15,7 +15,12 @@ is an observer with a daemon thread on every rank that
   newest snapshot.
 
 A frozen rank cannot act, but its peers stall at the same moment and their watchdogs do; a rank
-stuck in its own code is caught by its own watchdog as well as by its peers'.
+stuck in its own code is caught by its own watchdog as well as by its peers'. A stalled rank
+does not wait out the allowance for a peer that is frozen or gone: once its own step is overdue
+it reads the peers' heartbeats every period, and a peer whose heartbeat has not changed for a few
+periods (by this rank's clock: ``SilentPeers``) ends the wait at once. A peer stopped on this
+host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
+left to its own agent, which the group's new rendezvous round makes restart its workers.
 
 The allowance adapts so a slow model is no false alarm: in TRAIN it is the larger of
 ``hang_timeout_s`` and ``step_multiple`` times the longest time between progress marks seen in
@@ -164,6 +169,37 @@ def is_stopped_here(beat: Heartbeat) -> bool:
     return True
 
 
+class SilentPeers:
+    """Which peers' heartbeats have not changed for a while, timed by this rank's own clock.
+
+    A heartbeat's ``unix`` time is the publisher's clock, which may be seconds off this host's;
+    a heartbeat seen unchanged across reads spaced by this rank's monotonic clock is silent
+    whatever the skew. Feed it the heartbeats read while this rank waits; ``forget`` on progress.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._seen: dict[int, tuple[tuple, float]] = {}  # rank -> (its heartbeat's identity, when first seen by us)
+
+    def forget(self) -> None:
+        self._seen.clear()
+
+    def update(self, heartbeats: dict[int, Heartbeat | None]) -> list[tuple[Heartbeat, float]]:
+        """Each live peer's heartbeat seen unchanged, and for how many seconds, oldest first."""
+        now, silent = self._clock(), []
+        for rank, beat in heartbeats.items():
+            if beat is None or beat.state in {s.name for s in TERMINAL}:  # not started yet, or ended on purpose
+                self._seen.pop(rank, None)
+                continue
+            identity = (beat.unix, beat.pid, beat.step, beat.state)
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != identity:
+                self._seen[rank] = (identity, now)
+            else:
+                silent.append((beat, now - seen[1]))
+        return sorted(silent, key=lambda item: -item[1])
+
+
 def loop_position(thread_id: int | None) -> tuple[str, bool]:
     """Innermost frame of the loop thread as "module:line in function", and whether it waits for peers."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
@@ -212,6 +248,7 @@ class Watchdog(Observer):
         self._longest_state_s: dict[State, float] = {}
         self._start_ticks = 0
         self._to_kill: list[Heartbeat] = []
+        self._silence = SilentPeers(clock)
 
     # -- events (loop thread) ---------------------------------------------------------------
 
@@ -294,6 +331,14 @@ class Watchdog(Observer):
         stalled_s = now - max(self._last_progress, entered)
         if stalled_s > allowed:
             return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
+        # Overdue (a heartbeat period, and twice the longest step): a silent peer will not come back.
+        if stalled_s >= max(self.settings.heartbeat_every_s, 2 * self._longest_step_s):
+            silent = [(beat, s) for beat, s in self._silence.update(self._peer_heartbeats()) if s >= self._stale_after_s()]
+            if silent:
+                return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and " + (
+                    "; ".join(f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s" for beat, s in silent))
+        else:
+            self._silence.forget()
         # Stalled for a while, and a peer has already found the hang: leave with it now, before
         # its exit turns this rank's collective into a connection error that says less.
         peer_verdict = self._peer_verdict() if stalled_s > allowed / 2 else None
@@ -312,8 +357,10 @@ class Watchdog(Observer):
         log.error("rank %d: %s; %s; exiting with code %d so the launcher restarts the group from the newest snapshot "
                   "(stack of every thread below)", rank, verdict, stopped, HUNG_EXIT_CODE)
         # Peers stalled at the same moment; give their watchdogs a moment to say what they see
-        # before this rank's exit turns their collectives into connection errors.
-        self._stop.wait(2 * self.settings.heartbeat_every_s)
+        # before this rank's exit turns their collectives into connection errors. Not for a
+        # silent peer: every live rank sees its silence by itself, and the launcher waits for it.
+        if "heartbeat has not changed" not in verdict:
+            self._stop.wait(2 * self.settings.heartbeat_every_s)
         for beat in self._to_kill:  # last: its death turns this rank's own collective into an error
             try:
                 os.kill(beat.pid, signal.SIGKILL)
@@ -337,6 +384,23 @@ class Watchdog(Observer):
     def _current_step(self) -> int:
         beat = self._beat_step if self._state_visit[0] is State.TRAIN and self._beat_step is not None else 0
         return max(beat, self._state_visit[1], self._step)
+
+    def _peer_heartbeats(self) -> dict[int, Heartbeat | None]:
+        """Every other rank's latest heartbeat (None: none published yet); {} when the store cannot be read."""
+        info = self._info
+        if info is None or info.store is None:
+            return {}
+        try:
+            keys = {rank: self._key(rank) for rank in range(info.world_size) if rank != info.rank}
+            if not keys:
+                return {}
+            if info.store.check(list(keys.values())):  # all there: one round trip
+                return {rank: Heartbeat.from_json(raw) for rank, raw in zip(keys, info.store.multi_get(list(keys.values())))}
+            return {rank: Heartbeat.from_json(info.store.get(key)) if info.store.check([key]) else None
+                    for rank, key in keys.items()}
+        except Exception:  # the agent (and its store) may be gone: the allowance still holds
+            log.debug("watchdog could not read the peers' heartbeats", exc_info=True)
+            return {}
 
     def _diagnose(self) -> str:
         info = self._info

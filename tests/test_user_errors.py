@@ -290,3 +290,14 @@ def test_one_element_values_are_summed_whatever_their_shape():
     means, _ = sums.reduce(DistContext(LaunchEnv("none"), False, torch.device("cpu"), None, 300.0))
     # accuracy, loss, n: sample-weighted over 4 + 2 samples
     assert means == {"accuracy": (0.5 * 4 + 1.0 * 2) / 6, "loss": (2.0 * 4 + 5.0 * 2) / 6, "n": (1 * 4 + 3 * 2) / 6}
+
+
+def test_metric_keys_that_change_between_steps_are_one_line_naming_them():
+    # Before, a key added later was dropped without a word and a key left out later was a KeyError.
+    sums = WeightedSums(torch.device("cpu"))
+    sums.add(4, {"loss": torch.tensor(2.0), "accuracy": torch.tensor(0.5)})
+    with pytest.raises(LossFnError, match=r"^loss_fn returned the metric keys \['accuracy', 'grad_norm', 'loss'\] after "
+                                          r"\['accuracy', 'loss'\] in earlier steps; return the same keys at every step"):
+        sums.add(4, {"loss": torch.tensor(2.0), "accuracy": torch.tensor(0.5), "grad_norm": torch.tensor(1.0)})
+    with pytest.raises(LossFnError, match=r"^loss_fn returned the metric keys \['loss'\] after"):
+        sums.add(4, {"loss": torch.tensor(2.0)})

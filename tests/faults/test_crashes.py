@@ -98,6 +98,20 @@ def test_an_error_no_restart_can_fix_is_reported_once_and_later_restarts_stop_si
     assert [s.step for s in SnapshotStore(str(tmp_path / "run" / "snapshots")).list_snapshots()] == before
 
 
+def test_a_metric_key_returned_on_one_rank_only_is_one_line_naming_rank_and_key_and_no_restart_runs(tmp_path):
+    # It works in one process; at scale the ranks' metric sums had different sizes and aborted gloo,
+    # which read as "lost a peer" and burnt every restart at the same step.
+    job = launch_job(tmp_path, "job", ["task.args.extra_metric_rank=1"], max_restarts=1)
+    assert job.wait(TIMEOUT_S) != 0
+    lines = worker_lines(job.output())
+    failures = re.findall(r"a0\] ERROR rank \d stopped in state TRAIN at step \d+: (.*)", lines)
+    assert len(failures) == 2, lines[-3000:]  # every rank, at the same reduce, one line each
+    assert failures[0] == failures[1]
+    assert failures[0].startswith("rank 1's loss_fn returned the metric key 'rank_only' and rank 0's did not (1 of 2 ranks "
+                                  "returned it); every rank must return the same metric keys"), failures[0]
+    assert "restart 1 skipped" in lines and "lost a peer" not in lines and "Traceback" not in lines
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2 MB tmpfs: room for two snapshots of the wide test model, not three."""

@@ -48,10 +48,14 @@ def assert_bitwise(workdir: Path, reference, output: str) -> None:
         assert stitch(read_traces(workdir / "trace", rank), start_steps(output)) == reference.traces[rank]
 
 
-def test_a_sigstopped_worker_is_named_by_its_peer_and_the_group_restarts_within_30_s(tmp_path, reference_run):
-    # A stopped process does not act on torchrun's SIGTERM, and torch 2.13's agent waits 30 s
-    # before its SIGKILL on a restart: the peer's watchdog SIGKILLs the stopped worker itself.
-    job = launch_watched(tmp_path, ["task.args.pause_rank=1", "task.args.pause_at_step=37"])
+def test_a_sigstopped_worker_is_found_silent_by_its_peer_long_before_the_allowance_and_the_group_restarts(tmp_path,
+                                                                                                         reference_run):
+    # A frozen rank is not slow: its silent heartbeat ends the wait, not the 600 s allowance kept
+    # for ranks alive but not progressing. A stopped process does not act on torchrun's SIGTERM,
+    # and torch 2.13's agent waits 30 s before its SIGKILL on a restart: the peer's watchdog
+    # SIGKILLs the stopped worker itself.
+    job = launch_watched(tmp_path, ["task.args.pause_rank=1", "task.args.pause_at_step=37"],
+                         watchdog={"hang_timeout_s": 600, "heartbeat_every_s": 1})
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -64,6 +68,8 @@ def test_a_sigstopped_worker_is_named_by_its_peer_and_the_group_restarts_within_
     # The live rank names the frozen one and its state, in one line; the frozen one said nothing.
     hangs = HANG.findall(output)
     assert [(r, state, step) for r, state, step, _ in hangs] == [("0", "TRAIN", "36")], output[-4000:]
+    assert re.search(r"a0\] ERROR rank 0: no progress for [\d.]+ s in state TRAIN at step 36 and rank 1's heartbeat has "
+                     r"not changed for [\d.]+ s; ", output), output[-4000:]
     assert re.match(r"rank 1 sent no heartbeat for [\d.]+ s \(last in state TRAIN at step \d+\): frozen, killed or its host "
                     rf"is gone \(rank 1 is stopped process {pid} on this host: SIGKILL", hangs[0][3]), hangs[0][3]
     assert start_steps(output) == [0, 25]

@@ -10,7 +10,8 @@ another). ``raise_rank``/``raise_at_step`` make a worker raise (a user bug), onc
 
 For hung and slow ranks: ``sleep_rank``/``sleep_at_step`` make a worker sleep forever inside its
 loss function (once per job: the ``slept-rank{r}`` marker); ``step_sleep_s`` slows every
-training step on every rank, ``slow_rank``/``slow_step_s`` one rank only.
+training step on every rank, ``slow_rank``/``slow_step_s`` one rank only. ``extra_metric_rank``
+returns one more metric key (``rank_only``) on that rank only.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class JitteredDataset(Dataset):
 
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
-          slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False,
+          slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False, extra_metric_rank: int = -1,
           thread_sensitive: bool = False, **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
@@ -89,12 +90,14 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
                 while True:  # a deadlock in user code: only the watchdog (or a kill) ends this
                     time.sleep(1)
             time.sleep(step_sleep_s + (slow_step_s if str(slow_rank) == rank else 0.0))
-        if not thread_sensitive:
-            return spirals.cross_entropy_with_accuracy(model, batch)
         loss, metrics = spirals.cross_entropy_with_accuracy(model, batch)
-        # Scaled by a mean of 2M squares (~1.0): its last bits, and so every gradient's, depend on the
-        # intra-op thread count, which splits the sum.
-        return loss * _BIG.pow(2).mean(), metrics
+        if str(extra_metric_rank) == rank:
+            metrics["rank_only"] = loss.detach()
+        if thread_sensitive:
+            # Scaled by a mean of 2M squares (~1.0): its last bits, and so every gradient's, depend on the
+            # intra-op thread count, which splits the sum.
+            loss = loss * _BIG.pow(2).mean()
+        return loss, metrics
 
     trace_path.touch()
     if lr_factory:  # a schedule that must know the run's length: linear decay to zero at the last step
