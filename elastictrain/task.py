@@ -32,6 +32,15 @@ class Task:
     grad_scaler: Any = None  # torch.amp.GradScaler
     collate_fn: Callable | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.optimizer, (list, tuple, dict)):
+            # Checked here, where the Trainer is built, not at step 0 as a traceback from optimizer.step().
+            raise ConfigError(
+                f"optimizer is a {type(self.optimizer).__name__} of {len(self.optimizer)}; the Trainer steps one "
+                "torch.optim.Optimizer: put the parameter groups in one optimizer (each group may have its own lr), "
+                "or train the several optimizers in a custom loop"
+            )
+
 
 class PendingScheduler:
     """Stands in for an LR scheduler that a factory builds once the run's step count is known.
