@@ -430,6 +430,8 @@ def _type_name(annotation: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "null"
+    if origin is list:  # name what each item may be: "expected list" alone hides the valid values
+        return "list, each " + _type_name(typing.get_args(annotation)[0])
     if origin is typing.Annotated:
         return _type_name(typing.get_args(annotation)[0])
     return getattr(annotation, "__name__", str(annotation))

@@ -326,8 +326,29 @@ def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Map
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
 
 
+class LossForward(nn.Module):
+    """The user's ``loss_fn(model, batch)`` as one module's forward, so that DDP wraps the whole loss.
+
+    DDP arms its gradient all-reduce in its own forward: a loss_fn that reached a submodule of a
+    DDP wrapper (``model.G(x)``) would find no ``G`` there, and calling ``wrapper.module.G`` would
+    skip the all-reduce, each rank then stepping on its own gradients. Run inside DDP's forward,
+    loss_fn gets the user's own module, on one worker or many alike, and every gradient it makes is synced.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["loss_fn"] = loss_fn  # never a submodule, even as an nn.Module: its weights are not the model's
+
+    def forward(self, batch: Any) -> Any:
+        return self.loss_fn(self.model, batch)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The user's module: without DDP's wrapper and the LossForward around it."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model.model if isinstance(model, LossForward) else model
 
 
 def no_sync(model: nn.Module, skip_sync: bool) -> Any:

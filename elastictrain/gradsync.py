@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -145,18 +145,20 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     return mixed >> 1  # torch.manual_seed takes up to 2**63
 
 
-def make_gradient_sync(model: nn.Module, ctx: dist.DistContext, cfg: Config,
+def make_gradient_sync(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config,
                        timer: GradientSyncTimer) -> tuple[nn.Module, DDPAccumulation | VirtualShards]:
-    """The model the loop trains (DDP-wrapped or not) and the gradient sync that goes with it."""
+    """What the loop trains, a module whose ``forward(batch)`` is ``loss_fn(model, batch)`` (DDP-wrapped or
+    not), and the gradient sync that goes with it."""
     shards = cfg.train.virtual_shards
+    loss_forward = dist.LossForward(model, loss_fn)
     if not shards:
-        wrapped = dist.wrap_model(model, ctx, cfg.dist)
+        wrapped = dist.wrap_model(loss_forward, ctx, cfg.dist)
         if cfg.stragglers.factor > 0:
             timer.register(wrapped)  # a no-op without DDP
         return wrapped, DDPAccumulation(wrapped, timer)
     check_virtual_shards(model)
-    model.to(ctx.device)
-    return model, VirtualShards(model, ctx, shards, cfg.run.seed, timer)
+    loss_forward.to(ctx.device)
+    return loss_forward, VirtualShards(model, ctx, shards, cfg.run.seed, timer)
 
 
 def check_virtual_shards(model: nn.Module) -> None:

@@ -340,7 +340,7 @@ class Trainer:
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
         self.sync_timer = GradientSyncTimer()  # each rank's wait in the gradient all-reduce: stragglers
-        self.model, self.grad_sync = make_gradient_sync(self.task.model, self.ctx, self.cfg, self.sync_timer)
+        self.model, self.grad_sync = make_gradient_sync(self.task.model, self.task.loss_fn, self.ctx, self.cfg, self.sync_timer)
         if _is_scheduler_factory(self.task.lr_scheduler):
             # Called in RESTORE, once the snapshot has said which global batch the run goes on with.
             self.task.lr_scheduler = PendingScheduler(self.task.lr_scheduler)
@@ -653,7 +653,7 @@ class Trainer:
             batch = to_device(batch, self.ctx.device)
             with sync.micro_batch(micro, accum, self.progress.global_step):
                 with self._autocast():
-                    loss, metrics = split_loss(self.task.loss_fn(self.model, batch))
+                    loss, metrics = split_loss(self.model(batch))  # loss_fn inside DDP's forward: see dist.LossForward
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             self._train_sums.add(batch_size_of(batch), {"loss": loss, **metrics})

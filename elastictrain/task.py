@@ -6,9 +6,11 @@ import importlib
 import math
 import numbers
 import re
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import pydantic
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -31,6 +33,15 @@ class Task:
     lr_scheduler: Any = None  # any torch LR scheduler (state_dict/load_state_dict/step)
     grad_scaler: Any = None  # torch.amp.GradScaler
     collate_fn: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optimizer, (list, tuple, dict)):
+            # Checked here, where the Trainer is built, not at step 0 as a traceback from optimizer.step().
+            raise ConfigError(
+                f"optimizer is a {type(self.optimizer).__name__} of {len(self.optimizer)}; the Trainer steps one "
+                "torch.optim.Optimizer: put the parameter groups in one optimizer (each group may have its own lr), "
+                "or train the several optimizers in a custom loop"
+            )
 
 
 class PendingScheduler:
@@ -144,6 +155,7 @@ def load_task(cfg: TaskConfig) -> Task:
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ConfigError(f"task.factory={cfg.factory!r}: module {module_name!r} has no function {function_name!r}")
+    _check_arg_types(factory, cfg)
     try:
         task = factory(**cfg.args)
     except (TypeError, ValueError) as exc:
@@ -159,6 +171,44 @@ def load_task(cfg: TaskConfig) -> Task:
     if not isinstance(task, Task):
         raise ConfigError(f"task.factory={cfg.factory!r} returned {type(task).__name__}, expected elastictrain.Task")
     return task
+
+
+def _check_arg_types(factory: Callable, cfg: TaskConfig) -> None:
+    """One line for a task.args value of another type than the factory's annotation says, before the call.
+
+    A wrong type caught here is surely the user's (``task.args.noise=abc`` for ``noise: float``), whereas
+    what a factory raises on it can come from deep inside torch and read like a bug. Pydantic's strict
+    mode checks it (an int is a float, a bool is no int); the value is passed on as given, never converted.
+    Parameters without annotation, or with one pydantic cannot check (a class of the user's), are skipped.
+    """
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # an annotation that does not resolve here: the factory's own business
+        return
+    for name, value in cfg.args.items():
+        if name not in hints:
+            continue
+        try:
+            adapter = pydantic.TypeAdapter(hints[name])
+        except pydantic.PydanticSchemaGenerationError:
+            continue
+        try:
+            adapter.validate_python(value, strict=True)
+        except pydantic.ValidationError:
+            expected = getattr(hints[name], "__name__", str(hints[name]).replace("typing.", ""))
+            raise ConfigError(
+                f"task.args.{name}={_short_repr(redact_secrets({name: value})[name])} is a {type(value).__name__}, "
+                f"but {cfg.factory} takes {name}: {expected}; fix task.args.{name}{_yaml_number_hint(value)}"
+            ) from None
+
+
+def _yaml_number_hint(value: Any) -> str:
+    """YAML 1.1 reads 1e-3 (no dot) as text: say how to write the number it looks like."""
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        return ""
+    return "" if number is None else f" (YAML reads {value} as text, not a number: write {number!r})"
 
 
 def _concerns_args(exc: BaseException, args: dict[str, Any]) -> bool:

@@ -40,6 +40,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
         (["train.batch_size=0"], "(expected int > 0)"),
         (["dist.distributed=maybe"], "'dist.distributed' = 'maybe' is invalid (expected bool or one of 'auto')"),
         (["train.lr_scheduler_interval=week"], "expected one of 'step', 'epoch'"),
+        (["preempt.signals=[SIGFOO]"], "'preempt.signals' = 'SIGFOO' is invalid (expected list, each one of "
+         "'SIGTERM', 'SIGINT', 'SIGUSR1', 'SIGUSR2', 'SIGHUP')"),
         (["train"], "not of the form key.sub=value"),
         (["train.batch_size=3", "train.batch_size.x=1"], "train.batch_size is a value, not a section"),
     ],

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from elastictrain import SnapshotError, Trainer, seed_everything
+from elastictrain.errors import ConfigError
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 
@@ -125,3 +126,14 @@ def test_an_optimizer_set_up_with_another_lr_in_the_script_is_warned_about(capfd
     trainer(url, task_args={**SMALL, "lr": 1e-5}).fit()
     err = capfd.readouterr().err
     assert "the optimizer's hyperparameters differ from this run's (lr 0.003 -> 1e-05)" in err
+
+
+def test_a_list_of_optimizers_is_refused_when_the_trainer_is_built():
+    task = spirals.build(**SMALL)
+    second = torch.optim.SGD(task.model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as caught:
+        Trainer(task.model, [task.optimizer, second], task.train_data, task.loss_fn)
+    assert str(caught.value) == (
+        "optimizer is a list of 2; the Trainer steps one torch.optim.Optimizer: put the parameter groups in one "
+        "optimizer (each group may have its own lr), or train the several optimizers in a custom loop"
+    )

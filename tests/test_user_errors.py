@@ -254,9 +254,13 @@ def build_with_a_bug(hidden: int = 8) -> Task:
         (["--config", "conf"],
          "config file conf is a directory; pass a YAML file such as conf/default.yaml to --config"),
         (["task.args.hidden=abc"],
-         "task.args do not fit elastictrain.tasks.spirals:build (given hidden='abc'): TypeError: empty(): argument "
-         "'size' (position 1) must be tuple of ints, but found element of type str at pos 0; fix task.args (for the "
-         "traceback: ELASTICTRAIN_TRACEBACK=1)"),
+         "task.args.hidden='abc' is a str, but elastictrain.tasks.spirals:build takes hidden: int; fix task.args.hidden"),
+        (["task.args.lr=1e-3"],
+         "task.args.lr='1e-3' is a str, but elastictrain.tasks.spirals:build takes lr: float; fix task.args.lr (YAML "
+         "reads 1e-3 as text, not a number: write 0.001)"),
+        (["task.args.hidden=-5"],
+         "task.args do not fit elastictrain.tasks.spirals:build (given hidden=-5): ValueError: 'hidden' must be at "
+         "least 1, got -5; fix task.args (for the traceback: ELASTICTRAIN_TRACEBACK=1)"),
         (["snapshot.storage_options.key=AKIA0", "snapshot.storage_options.secret=hunter2", "run.dir=/tmp/x"],
          "invalid config (defaults + overrides): snapshot.storage_options (key, secret) are ignored for the local "
          "path snapshot.url='/tmp/x/snapshots': they configure a remote store (credentials, endpoint); set "
@@ -266,7 +270,7 @@ def build_with_a_bug(hidden: int = 8) -> Task:
          "shards' gradients are summed in one binary tree, the same at every world size; pick the power of two at "
          "least as large as the largest world size the job may have"),
     ],
-    ids=["yaml-override", "config-dir", "factory-arg-type", "local-storage-options", "virtual-shards-not-a-power-of-two"],
+    ids=["yaml-override", "config-dir", "factory-arg-type", "factory-arg-yaml-number", "factory-arg-range", "local-storage-options", "virtual-shards-not-a-power-of-two"],
 )
 def test_inputs_that_slipped_through_are_one_line_naming_the_key(tmp_path, args, expected):
     result = run_cli(tmp_path, *args)

@@ -59,6 +59,11 @@ def build(
     lr_gamma: float = 0.5,
     data_seed: int = 1234,
 ) -> Task:
+    # Values torch would take and fail on later, deep inside (a tensor of negative size, a modulo by
+    # zero at step lr_step): a ValueError naming the argument is one line on the command line.
+    for name, value, least in (("classes", classes, 2), ("hidden", hidden, 1), ("lr_step", lr_step, 1)):
+        if value < least:
+            raise ValueError(f"'{name}' must be at least {least}, got {value}")
     model = SpiralNet(classes, hidden, dropout)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     return Task(
