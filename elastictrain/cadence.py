@@ -9,9 +9,11 @@ each part is sqrt(C / (2 M)). ``snapshot.local_every_seconds: auto`` takes both 
   write (the write's whole wall time: on busy cores it takes that much from training, on idle
   ones less, so T errs long, where the loss curve is flattest);
 - M: the run's training time over its failures so far (``failures_and_exposure``; a failure a
-  survivor copy covered does not count). Before the first failure M is the time trained so far,
-  so T grows as sqrt(2 C t) while nothing fails, and the snapshots taken by time t cost about
-  T(t) seconds in all.
+  survivor copy covered does not count), with a prior ``snapshot.local_mtbf_prior_s`` (P, 1 h by
+  default) counted as one more failure after P more seconds: M = (t + P) / (failures + 1). At the
+  start of a run M is P, not the second or so trained so far, which would ask for a copy every
+  few tenths of a second; each failure then moves M toward what the run measures. P = 0: no
+  prior, M = t / max(failures, 1), so T grows as sqrt(2 C t) while nothing fails.
 
 Rank 0 owns the timer (the vote makes every rank act on it at the same step). It imports nothing
 of the loop: it is an observer the loop asks once per vote.
@@ -59,8 +61,9 @@ def failures_and_exposure(attempts: list[dict[str, Any]], current_s: float) -> t
 class FastTierTimer(Observer):
     """Rank 0's clock for timed fast-tier snapshots: ``every_s`` seconds apart, or Young/Daly's (``"auto"``)."""
 
-    def __init__(self, every_s: float | str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, every_s: float | str, clock: Callable[[], float] = time.monotonic, prior_mtbf_s: float = 0.0) -> None:
         self.auto = every_s == AUTO
+        self.prior_mtbf_s = prior_mtbf_s
         self.every_s = 0.0 if self.auto else float(every_s)
         self.clock = clock
         self.failures = 0
@@ -83,8 +86,9 @@ class FastTierTimer(Observer):
         return self._exposure_before_s + self.clock() - self._attempt_started
 
     def mtbf_s(self) -> float:
-        """Training time per failure so far; before the first failure, the training time itself."""
-        return self.exposure_s() / max(self.failures, 1)
+        """Training time per failure so far, the prior counted as one failure after its seconds."""
+        prior_failures = 1 if self.prior_mtbf_s > 0 else 0
+        return (self.exposure_s() + self.prior_mtbf_s) / max(self.failures + prior_failures, 1)
 
     def cost_s(self) -> float | None:
         return statistics.median(self._costs) if self._costs else None

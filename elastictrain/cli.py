@@ -108,9 +108,14 @@ def _command(commands, name: str, parents: list, summary: str, build: Callable) 
 def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
     from . import snapshot_tools
 
-    with _warnings_to_stderr():
-        found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
-        document, render = build(snapshot_tools, args, found)
+    try:
+        with _warnings_to_stderr():
+            found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
+            document, render = build(snapshot_tools, args, found)
+    except ElastictrainError as exc:
+        if args.json:  # a script reading stdout gets JSON for an error too; main() prints the line
+            print(json.dumps({"error": str(exc), "exit_code": exc.exit_code}), flush=True)
+        raise
     try:
         print(json.dumps(document, indent=2) if args.json else render(document), flush=True)
     except BrokenPipeError:  # `elastictrain snapshots show URL | head`: the reader has what it wanted

@@ -109,6 +109,9 @@ class SnapshotConfig(_Section):
     # Also every so many seconds (rank 0's clock; 0: off), or "auto": Young/Daly's interval
     # sqrt(2 x cost x time between failures), both measured in this run (elastictrain/cadence.py).
     local_every_seconds: NonNegativeFloat | Literal["auto"] = 0.0
+    # auto: the time between failures assumed before the run has measured it, weighted as one
+    # failure's worth of evidence (0: none, the time trained so far stands in for it).
+    local_mtbf_prior_s: NonNegativeFloat = 3600.0
     local_keep_last: PositiveInt = 2
     # The fast tier in the background too? None: as async_write. A fast copy into tmpfs is memory
     # bandwidth, with no disk to wait on: where the CPU cores are all busy training, a background

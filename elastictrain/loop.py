@@ -363,7 +363,7 @@ class Trainer:
             self.cfg.snapshot.local_every_steps if self.local_snapshots else 0,
         )
         # Rank 0's clock for timed fast copies (snapshot.local_every_seconds); the vote carries it to every rank.
-        timer = FastTierTimer(self.cfg.snapshot.local_every_seconds)
+        timer = FastTierTimer(self.cfg.snapshot.local_every_seconds, prior_mtbf_s=self.cfg.snapshot.local_mtbf_prior_s)
         if self.local_snapshots is not None and self.ctx.is_main and timer.enabled:
             self.fast_timer = timer
             self.events.add(timer)

@@ -143,6 +143,9 @@ def _draw(axes, name: str, keys: list[str], records, markers: list[Marker], run_
             steps, values, label=label, linewidth=1.8,
             marker="o" if is_val or len(points) < 3 else None, markersize=4,
             color="tab:orange" if is_val else "tab:blue",
+            # The learning rate is logged every log interval and changes in steps (a schedule's
+            # drop): hold each value until the next record instead of drawing a slope between them.
+            drawstyle="steps-post" if name == "lr" else "default",
         )
     for index, marker in enumerate(markers):
         color = RESTART_COLOR if marker.restart_counts else WORLD_COLOR

@@ -55,8 +55,15 @@ DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastictrain.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH_", "CUDA_")
 REQUEST_TIMEOUT_S = 10.0
-USAGE = ("elastictrain.warmstart: give the script to run (or -m MODULE) and its arguments after it, "
+USAGE = ("give the script to run (or -m MODULE) and its arguments after it, "
          "as torchrun would run them: torchrun ... -m elastictrain.warmstart [--preload a,b] train.py ARGS")
+HELP = """usage: torchrun ... -m elastictrain.warmstart [--preload a,b] (SCRIPT | -m MODULE) ARGS...
+
+Warm restarts: torchrun's restarted workers are forked from a per-node interpreter that has torch
+(and the --preload modules, comma-separated) imported, instead of starting cold. The first start
+of each node runs cold; outside torchrun the script runs as if started directly. More: the
+docstring of elastictrain/warmstart.py and launch/README.md.
+"""
 
 
 def _say(message: str) -> None:
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         job = serve(argv[1], int(argv[2]), int(argv[3]), tuple(filter(None, argv[4].split(","))))
         if job is not None:  # only in a forked child: it is the worker now
             run_child(job)
+        return
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(HELP)
         return
     target = parse(argv)
     if target is None:

@@ -102,3 +102,17 @@ def test_auto_before_any_failure_grows_with_the_time_trained():
     clock.now += 3540.0
     assert at_a_minute == pytest.approx(math.sqrt(2 * 0.05 * 60.0))
     assert timer.interval_s() == pytest.approx(math.sqrt(2 * 0.05 * 3600.0))  # 19 s after an hour without one
+
+
+def test_auto_starts_from_the_prior_and_moves_toward_the_measured_failure_rate():
+    """snapshot.local_mtbf_prior_s: after 1 s of training and 35 ms copies, not a copy every 0.26 s."""
+    clock = Clock()
+    timer = FastTierTimer("auto", clock, prior_mtbf_s=3600.0)
+    timer.begin([attempt(0.0)])
+    timer.snapshotted(SnapshotReport(5, True, duration_s=0.035, tier="local"))
+    clock.now += 1.0
+    assert timer.mtbf_s() == pytest.approx(3601.0)
+    assert timer.interval_s() == pytest.approx(math.sqrt(2 * 0.035 * 3601.0))  # about 16 s
+    # Three failures in 300 s of training: each moves M from the prior toward the measured 100 s.
+    timer.begin([attempt(100.0), attempt(100.0), attempt(100.0), attempt(0.0)])
+    assert timer.mtbf_s() == pytest.approx((300.0 + 3600.0) / 4)

@@ -24,6 +24,7 @@ from tests.helpers.slurm import Job, SlurmCluster, SlurmUnavailable, ensure_inst
 from tests.test_launch_torchrun import expected_steps
 
 MULTI_NODE_SRUN = REPO_ROOT / "launch" / "slurm" / "multi_node_srun.sbatch"
+ONE_NODE_CPU = REPO_ROOT / "launch" / "slurm" / "one_node_cpu.sbatch"
 JOB_TIMEOUT_S = 120
 WORLD_SIZE = 2
 # The default job, shortened; log every 10 steps so a preemption can be aimed mid-run.
@@ -102,7 +103,7 @@ def test_srun_template_trains_the_default_job_at_world_size_from_slurm(unbroken)
 
 
 def test_preempted_job_exits_143_and_the_same_command_resumes_with_no_lost_step(cluster, unbroken, tmp_path):
-    job = submit(cluster, tmp_path, "preempted")
+    job = submit(cluster, tmp_path, "preempted", ["preempt.requeue=false"])  # the template passes true
     cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
     # What `scancel` and a preemption send: TERM to every task of the job's steps.
     cluster.scancel(job, "--signal=TERM")
@@ -119,8 +120,9 @@ def test_preempted_job_exits_143_and_the_same_command_resumes_with_no_lost_step(
     assert_resumed_without_loss(again.result, stopped_step, unbroken)
 
 
-def test_preempted_job_with_preempt_requeue_requeues_itself_and_finishes(cluster, unbroken, tmp_path):
-    job = submit(cluster, tmp_path, "requeued", ["preempt.requeue=true"])
+def test_preempted_job_requeues_itself_by_default_and_finishes(cluster, unbroken, tmp_path):
+    """The template passes preempt.requeue=true: the time-limit USR1 brings the job back (#SBATCH --requeue alone does not)."""
+    job = submit(cluster, tmp_path, "requeued")
     cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
     cluster.scancel(job, "--signal=USR1")  # what --signal=USR1@120 sends before the time limit
     cluster.start_requeued_now(job, JOB_TIMEOUT_S)
@@ -129,6 +131,30 @@ def test_preempted_job_with_preempt_requeue_requeues_itself_and_finishes(cluster
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
     assert info["Restarts"] == "1", "the job put itself back in the queue once"
     assert_resumed_without_loss(parse_job(output), preempted_step(output), unbroken)
+
+
+def test_cpu_template_under_elastictrain_run_exits_143_after_a_preemption(cluster, tmp_path):
+    """Template (a, CPU): torchrun's agent in one task; elastictrain-run makes the job's exit 143, not torchrun's 1."""
+    bin_dir = tmp_path / "bin"  # the console script, as `pip install` would put it beside python
+    bin_dir.mkdir()
+    (bin_dir / "elastictrain-run").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m elastictrain.launch "$@"\n')
+    (bin_dir / "elastictrain-run").chmod(0o755)
+    env = {
+        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "NPROC_PER_NODE": str(WORLD_SIZE),
+    }
+    job = cluster.sbatch(ONE_NODE_CPU, [f"run.dir={tmp_path / 'run'}", *OVERRIDES, "preempt.requeue=false"],
+                         options=["--job-name=cpu", f"--chdir={tmp_path}"], env=env, output_path=tmp_path / "cpu.out")
+    cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
+    cluster.scancel(job, "--signal=TERM")
+    info = cluster.wait_job(job, JOB_TIMEOUT_S)
+    output = job.output()
+    assert "run summary: state=DONE" not in output, "the signal came after the job had finished; aim it earlier"
+    assert info["ExitCode"] == "143:0", f"{info['JobState']} {info['ExitCode']}\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    manifest, _ = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
+    assert manifest.step == preempted_step(output)
 
 
 def preempted_step(output: str) -> int:

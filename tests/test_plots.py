@@ -110,3 +110,21 @@ def test_without_matplotlib_write_plots_raises_one_clear_error(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "plots need matplotlib, which is not installed; pip install 'elastictrain[plot]'"
+
+
+def test_the_learning_rate_is_drawn_as_steps_and_losses_as_lines():
+    """An LR logged every 25 steps that drops 10x at step 60 must not be drawn as a slope from 50 to 75."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from elastictrain.plots import _draw
+
+    records = [{"step": step, "lr": 0.1 if step < 60 else 0.01, "train_loss": 1.0 / step} for step in (25, 50, 75, 100)]
+    drawn = {}
+    for name, keys in metric_groups(records).items():
+        axes = Figure().add_subplot()
+        _draw(axes, name, keys, records, [], None)
+        drawn[name] = axes.lines[0]
+    assert drawn["lr"].get_drawstyle() == "steps-post"
+    assert drawn["loss"].get_drawstyle() == "default"
+    assert list(drawn["lr"].get_ydata()) == [0.1, 0.1, 0.01, 0.01]

@@ -7,6 +7,7 @@ The snapshots come from a small real training run on local disk; every command r
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -167,8 +168,11 @@ def test_show_prints_the_newest_valid_snapshots_progress_config_and_history(trai
     assert "world     1 worker(s)" in out and "1,251 parameters" in out
     assert f"train_loss  {train[0]['train_loss']:.4f} at step {train[0]['step']} -> {train[-1]['train_loss']:.4f} at step 96" in out
     assert f"val_loss {state['history']['records'][-1]['val_loss']:.4f}" in out
-    for line in ("run.name = cli-test", "train.batch_size = 16", "snapshot.every_steps = 20", "train.max_steps = null"):
+    # Only the keys that differ from the defaults; --json has the whole config.
+    assert re.search(r"\nconfig    \d+ key\(s\) differ from the defaults \(--json has the whole config\):\n", out), out
+    for line in ("run.name = cli-test", "train.batch_size = 16", "snapshot.every_steps = 20"):
         assert f"\n  {line}\n" in out
+    assert "train.max_steps" not in out and "train.grad_accum_steps" not in out, "defaults are not listed"
 
     document = json.loads(elastictrain("snapshots", "show", trained, "--step", "60", "--json").stdout)
     older = newest_state(trained, 60)
@@ -187,14 +191,15 @@ def test_show_counts_attempts_and_restarts_a_snapshot_records(store_dir):
     ]
     model = (snapshot_dir(store_dir, 96) / MODEL_OBJECT).read_bytes()
     store.commit(100, {MODEL_OBJECT: lambda handle: handle.write(model),
-                       STATE_OBJECT: writer_for({**state, "attempts": attempts, "goodput": {"train_s": 12.5}})},
+                       STATE_OBJECT: writer_for({**state, "attempts": attempts, "goodput": {"seconds_by_cause": {
+                           "productive": 8.0, "snapshot": 0.5, "restore": 0.0, "recompute": 0.0, "evaluate": 0.0, "restart": 1.5}}})},
                  {"epoch": 3, "epoch_offset": 0, "world_size": 1, "format_version": 1})
     done = elastictrain("snapshots", "show", store_dir)
     assert done.returncode == 0, done.stderr
     assert "attempts  3 (2 restart(s))" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith(("1 ", "2 ", "3 "))]
     assert [row[:4] for row in rows] == [["1", "0", "2", "0"], ["2", "1", "2", "40"], ["3", "2", "1", "80"]]
-    assert "goodput   train_s 12.5s" in done.stdout
+    assert "goodput   0.80 (8.0s productive of 10.0s; restart 1.5s, snapshot 0.5s)\n" in done.stdout
     document = json.loads(elastictrain("snapshots", "show", store_dir, "--json").stdout)
     assert document["restarts"] == 2 and document["attempts"] == attempts
 
@@ -265,6 +270,15 @@ def test_user_mistakes_are_one_line_and_no_traceback(store_dir, tmp_path, args, 
     done = elastictrain(*(arg.format(**names) for arg in args))
     assert_one_error_line(done, *(text.format(**names) for text in expected))
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["snapshots", "prune", "{store}", "--keep", "0"], ["snapshots", "list", "{missing}"]],
+                         ids=["keep-0", "no-such-url"])
+def test_with_json_a_mistake_is_one_json_document_on_stdout_and_one_line_on_stderr(store_dir, tmp_path, args):
+    done = elastictrain(*(arg.format(store=store_dir, missing=tmp_path / "missing") for arg in args), "--json")
+    assert done.returncode == 1 and done.stderr.startswith("elastictrain: error: ") and done.stderr.count("\n") == 1
+    document = json.loads(done.stdout)
+    assert document == {"error": done.stderr.removeprefix("elastictrain: error: ").strip(), "exit_code": 1}
 
 
 def test_safetensors_export_is_one_clear_line_when_safetensors_is_missing(trained, tmp_path):

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, server_prefix
-from tests.conftest import REPO_ROOT, parse_job
+from tests.conftest import REPO_ROOT, job_env, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
@@ -139,3 +139,15 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     assert paused != last_child
     wait_gone(servers.pop(), timeout_s=5.0)  # the preloaded interpreter leaves with its agent
     assert not glob.glob(server_prefix(job.proc.pid) + "*")
+
+
+def test_help_prints_usage_and_a_missing_script_says_so_once():
+    """`python -m elastictrain.warmstart --help`: usage on stdout, exit 0; with no script: one line, exit 2."""
+    command = [sys.executable, "-m", "elastictrain.warmstart"]
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env={**os.environ, **job_env()})
+    assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
+    assert shown.stdout.startswith("usage: torchrun ... -m elastictrain.warmstart [--preload a,b] (SCRIPT | -m MODULE)")
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **job_env()})
+    assert missing.returncode == 2
+    assert missing.stderr.count("elastictrain.warmstart:") == 1, missing.stderr
+    assert missing.stderr.startswith("elastictrain.warmstart: give the script to run"), missing.stderr
