@@ -236,6 +236,10 @@ class Snapshotter:
             if self._run_name_dir is not None:
                 with contextlib.suppress(OSError):  # the run.name's directory, once no run's copies are left in it
                     os.rmdir(self._run_name_dir)
+                root = os.path.dirname(self._run_name_dir)  # snapshot.local_url itself, once empty (never a mount point)
+                if not os.path.ismount(root):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root)
         except OSError as exc:
             log.warning("could not remove the node-local snapshots at %s: %s", self.store.url, exc)
 

@@ -65,7 +65,7 @@ def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, cap
     err = capfd.readouterr().err
     assert "restored step 20 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
     assert summary.params_sha256 == reference.params_sha256
-    assert not (tmp_path / "shm" / "default").exists(), "the fast tier is cleaned at DONE"
+    assert not (tmp_path / "shm").exists(), "the fast tier is cleaned at DONE, the emptied snapshot.local_url too"
 
 
 def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
