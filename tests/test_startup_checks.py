@@ -1,7 +1,7 @@
 """A fast tier or a run.dir that cannot be written stops the job at start-up: one line naming the key, no restart.
 
-Real torchrun, 2 workers, one restart allowed: attempt 0 says what is wrong; attempt 1 stops at
-once with ``restart 1 skipped`` instead of repeating it (a restart cannot make a path writable).
+Real torchrun, 2 workers, one restart allowed: one rank of attempt 0 says what is wrong; attempt 1
+stops at once, silently, instead of repeating it (a restart cannot make a path writable).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ def worker_lines(output: str) -> list[str]:
 def assert_stopped_once_without_restart(output: str, error: str) -> None:
     lines = worker_lines(output)
     stopped = [line for line in lines if re.search(r"a0\] ERROR rank \d stopped in state \w+ at step 0: ", line)]
-    assert stopped and all(error in line for line in stopped), "\n".join(lines[-40:])
-    skipped = [line for line in lines if re.search(r"a1\] ERROR rank \d: restart 1 skipped: attempt 0 stopped on a "
-                                                   r"ConfigError", line)]
-    assert len(skipped) == 2, "\n".join(lines[-40:])
-    assert not any("a1] INFO state SETUP -> RESTORE" in line for line in lines), "the restart did nothing but stop"
+    assert len(stopped) == 1 and error in stopped[0], "\n".join(lines[-40:])  # one rank says it, once
+    # torchrun restarts the group whatever the exit code; the restart finds the recorded error and
+    # leaves before it imports torch, without a word (elastictrain/fatal.py).
+    assert not any(" a1] " in line for line in lines), "the restart did nothing but stop, silently"
     raw = [line for line in output.splitlines() if "Not a directory" in line and error not in line]
     assert raw == [], "no raw OSError besides the one line"
     assert not any(" step 1" in line or "TRAIN" in line for line in lines), "no step was trained"

@@ -105,11 +105,11 @@ def test_a_metric_key_returned_on_one_rank_only_is_one_line_naming_rank_and_key_
     assert job.wait(TIMEOUT_S) != 0
     lines = worker_lines(job.output())
     failures = re.findall(r"a0\] ERROR rank \d stopped in state TRAIN at step \d+: (.*)", lines)
-    assert len(failures) == 2, lines[-3000:]  # every rank, at the same reduce, one line each
-    assert failures[0] == failures[1]
+    assert len(failures) == 1, lines[-3000:]  # every rank stops at the same reduce; one of them says it, once
     assert failures[0].startswith("rank 1's loss_fn returned the metric key 'rank_only' and rank 0's did not (1 of 2 ranks "
                                   "returned it); every rank must return the same metric keys"), failures[0]
-    assert "restart 1 skipped" in lines and "lost a peer" not in lines and "Traceback" not in lines
+    assert " a1] " not in lines, "the restart leaves at once, silently (elastictrain/fatal.py)"
+    assert "lost a peer" not in lines and "Traceback" not in lines
 
 
 @pytest.fixture
