@@ -391,28 +391,29 @@ class Watchdog(Observer):
         if info is None or info.store is None:
             return {}
         try:
-            keys = {rank: self._key(rank) for rank in range(info.world_size) if rank != info.rank}
-            if not keys:
-                return {}
-            if info.store.check(list(keys.values())):  # all there: one round trip
-                return {rank: Heartbeat.from_json(raw) for rank, raw in zip(keys, info.store.multi_get(list(keys.values())))}
-            return {rank: Heartbeat.from_json(info.store.get(key)) if info.store.check([key]) else None
-                    for rank, key in keys.items()}
+            return self._read_heartbeats()
         except Exception:  # the agent (and its store) may be gone: the allowance still holds
             log.debug("watchdog could not read the peers' heartbeats", exc_info=True)
             return {}
+
+    def _read_heartbeats(self) -> dict[int, Heartbeat | None]:
+        """Every other rank's latest heartbeat from the store (None: none published yet); store errors propagate."""
+        info = self._info
+        keys = {rank: self._key(rank) for rank in range(info.world_size) if rank != info.rank}
+        if not keys:
+            return {}
+        if info.store.check(list(keys.values())):  # all there: one round trip
+            return {rank: Heartbeat.from_json(raw) for rank, raw in zip(keys, info.store.multi_get(list(keys.values())))}
+        return {rank: Heartbeat.from_json(info.store.get(key)) if info.store.check([key]) else None
+                for rank, key in keys.items()}
 
     def _diagnose(self) -> str:
         info = self._info
         own = self.heartbeat()
         if info is None or info.store is None:
             return f"rank {own.rank} (alone) is stuck at {own.where}"
-        keys = [self._key(rank) for rank in range(info.world_size)]
-        present = set(k for k in keys if info.store.check([k]))
-        heartbeats = {
-            rank: (own if rank == info.rank else Heartbeat.from_json(info.store.get(key)) if key in present else None)
-            for rank, key in enumerate(keys)
-        }
+        peers = self._read_heartbeats()
+        heartbeats = {rank: own if rank == info.rank else peers[rank] for rank in range(info.world_size)}
         now_unix, stale_after_s = time.time(), self._stale_after_s()
         verdict = diagnose(heartbeats, now_unix, stale_after_s)
         self._to_kill = [beat for beat in heartbeats.values()
