@@ -249,6 +249,7 @@ class Watchdog(Observer):
         self._start_ticks = 0
         self._to_kill: list[Heartbeat] = []
         self._silence = SilentPeers(clock)
+        self._silent_peers: list[tuple[Heartbeat, float]] = []  # check()'s verdict: these peers went silent
 
     # -- events (loop thread) ---------------------------------------------------------------
 
@@ -335,6 +336,7 @@ class Watchdog(Observer):
         if stalled_s >= max(self.settings.heartbeat_every_s, 2 * self._longest_step_s):
             silent = [(beat, s) for beat, s in self._silence.update(self._peer_heartbeats()) if s >= self._stale_after_s()]
             if silent:
+                self._silent_peers = silent
                 return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and " + (
                     "; ".join(f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s" for beat, s in silent))
         else:
@@ -359,7 +361,7 @@ class Watchdog(Observer):
         # Peers stalled at the same moment; give their watchdogs a moment to say what they see
         # before this rank's exit turns their collectives into connection errors. Not for a
         # silent peer: every live rank sees its silence by itself, and the launcher waits for it.
-        if "heartbeat has not changed" not in verdict:
+        if not self._silent_peers:
             self._stop.wait(2 * self.settings.heartbeat_every_s)
         for beat in self._to_kill:  # last: its death turns this rank's own collective into an error
             try:
