@@ -35,6 +35,11 @@ class LossFnError(ElastictrainError):
     """loss_fn returned something other than a scalar loss tensor, or (loss, {"name": scalar})."""
 
 
+class UsageError(ElastictrainError):
+    """The custom-loop API called out of its protocol (session.py): state registered after restore, a step
+    outside TRAIN, a session used outside its ``with`` block."""
+
+
 class ConfigError(ElastictrainError):
     """The config has a wrong key, a wrong type or a missing value."""
 

@@ -127,13 +127,31 @@ def planned_steps(num_samples: int, global_batch: int, max_epochs: int, max_step
     return min(total, max_steps) if max_steps else total
 
 
+def run_steps(train: TrainConfig, samples: int | None, world_size: int, global_batch: int | None, progress: Any) -> int:
+    """Optimizer steps of the whole run: those done plus those left at its global batch (before the first
+    restore: a fresh start's at this world size). A stream, or a loop without data, runs train.max_steps."""
+    if samples is None:
+        return train.max_steps or 0
+    if global_batch is None:
+        global_batch = fit_to_world(train, world_size, BatchGeometry(), None).global_batch
+    p = progress
+    return planned_steps(samples, global_batch, train.max_epochs, train.max_steps, p.global_step, p.epoch, p.epoch_offset)
+
+
+def scheduler_steps(train: TrainConfig, total_steps: int) -> int:
+    """How often ``lr_scheduler.step()`` is called in the run: per step, or per epoch (train.lr_scheduler_interval)."""
+    return total_steps if train.lr_scheduler_interval == "step" else train.max_epochs
+
+
 def apply_fit(fit: Fit, geometry: BatchGeometry, rank: int, world_size: int, train: TrainConfig,
-              optimizer: Any, lr_scheduler: Any) -> Shard:
-    """Record ``fit`` in the geometry, scale the learning rate if it says so, and return this rank's shard."""
+              optimizers: list[tuple[Any, Any]]) -> Shard:
+    """Record ``fit`` in the geometry, scale the learning rate of each (optimizer, scheduler) if it says so,
+    and return this rank's shard."""
     geometry.global_batch, geometry.grad_accum_steps = fit.global_batch, fit.grad_accum_steps
     geometry.configured = (train.batch_size, train.grad_accum_steps)
     if fit.lr_factor != 1.0:
-        scale_learning_rate(optimizer, lr_scheduler, fit.lr_factor)
+        for optimizer, lr_scheduler in optimizers:
+            scale_learning_rate(optimizer, lr_scheduler, fit.lr_factor)
     if fit.message is not None:
         log.info("%s", fit.message)
     return Shard(rank, world_size, train.batch_size, fit.grad_accum_steps)

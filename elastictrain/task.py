@@ -52,8 +52,9 @@ class PendingScheduler:
     calls the factory and hands the scheduler that state.
     """
 
-    def __init__(self, factory: Callable[[torch.optim.Optimizer, int], Any]) -> None:
+    def __init__(self, factory: Callable[[torch.optim.Optimizer, int], Any], optimizer: torch.optim.Optimizer) -> None:
         self.factory = factory
+        self.optimizer = optimizer  # also how the session pairs it with its optimizer before it is built
         self.saved: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -62,7 +63,8 @@ class PendingScheduler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved = state_dict
 
-    def build(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    def build(self, total_steps: int) -> Any:
+        optimizer = self.optimizer
         restored_lrs = [group["lr"] for group in optimizer.param_groups]
         scheduler = self.factory(optimizer, total_steps)
         if self.saved is not None:

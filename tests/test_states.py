@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from elastictrain.loop import Plan, decide
+from elastictrain.plan import Plan, decide
 from elastictrain.snapshot import Progress
 from elastictrain.states import ALLOWED, TERMINAL, IllegalTransition, State, StateMachine
 from elastictrain.vote import Requests

@@ -1,0 +1,462 @@
+"""The building blocks for your own training loop: one ``Session`` per process.
+
+    with elastictrain.Session(config) as session:      # SETUP: device, process group, logging, health
+        model = session.wrap(model)                     # DDP on the session's device
+        session.register(model=model, optimizer=opt)    # everything that is state (anything Stateful)
+        loader = session.loader(train_set)              # sharded; resumes mid-epoch
+        session.restore()                               # RESTORE: the newest valid snapshot, if any
+        for epoch in session.epochs():
+            for batch in loader:
+                ...                                     # any step: several models, optimizers, GANs
+                session.step(loss=loss)                 # TRAIN -> the agreed next state
+
+``step`` is the one call per optimizer step. It advances the data position, beats the watchdog,
+counts goodput, reduces the logged metrics across ranks every ``train.log_every_steps``, and
+takes the vote every rank agrees on (signals, timers); then ``decide`` (pure, in states.py) says
+what follows, and the session does it before returning: a durable or fast snapshot, an
+evaluation, DONE, or PREEMPTED (a snapshot of this very step, then ``Preempted``: exit 143). The
+``with`` block ends the process's part of the run whatever happens: background writes finish or
+are abandoned safely, the process group is torn down, and an error is said in one line on the rank
+that had it (a traceback only for bugs). ``Trainer`` (loop.py) is a short client of this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from . import dist
+from .config import Config, load_config
+from .data import Shard
+from .errors import ConfigError, UsageError
+from .events import Observer, Observers, RunInfo
+from .failures import report_failure
+from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
+from .gradsync import make_gradient_sync
+from .health import Health
+from .logs import setup_logging
+from .registry import Registry
+from .runstate import RunState
+from .signals import Preempted, SignalledInSetup
+from .snapshot import seed_rng
+from .summary import RunSummary, attach_reporters, summarize
+from .plan import Plan, decide
+from .states import State, StateMachine
+from .tiers import SnapshotTiers
+from .train_metrics import TrainMetrics
+from .train_data import Loader, TrainData
+from .vote import NOTHING, Requests
+
+log = logging.getLogger("elastictrain")
+
+
+class Session:
+    """One process's part of an elastictrain run. ``config``: a Config, a dict, a YAML path or None
+    (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events."""
+
+    def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
+                 observers: list[Observer] = ()) -> None:
+        self.cfg = load_config(config, list(overrides))
+        self.state = RunState(self.cfg.train.intra_op_threads)
+        self.machine = StateMachine()
+        self.events = Observers([self.state.goodput, *observers])
+        self.health = Health(self.cfg)
+        self.ctx: dist.DistContext | None = None
+        self.tiers: SnapshotTiers | None = None
+        self.summary: RunSummary | None = None
+        self.grad_sync: Any = None  # set by wrap(model, loss_fn): the step runner's gradient sync
+        self.registry = Registry(self._optimizer_stepped)
+        self._data: TrainData | None = None
+        self._evaluate: Callable[[], dict[str, float]] | None = None
+        self._epoch_end: list[Callable[[], None]] = []
+        self._rank_label = "?"  # known once SETUP has read the launch environment
+        self._peer_lost = False
+        self._marks_ahead = False  # a step runner marks survivor copies itself (gradients_ready)
+        self._optimizer_steps = 0  # registered optimizers' steps since the last survivor mark
+        self.machine.on()(self.events.transition)
+        self.machine.on(dst=State.DONE)(self._summarize)
+        self.machine.on(dst=State.PREEMPTED)(self._preempted)
+        self.machine.on(src=State.SETUP)(lambda src, dst, step: self.health.signals.hold())  # a signal is voted on now
+
+    # -- where the run is --------------------------------------------------------------------
+
+    progress = property(lambda self: self.state.progress)
+    history = property(lambda self: self.state.history)
+    global_step = property(lambda self: self.state.progress.global_step)
+    epoch = property(lambda self: self.state.progress.epoch)
+    device = property(lambda self: self._context().device)
+    rank = property(lambda self: self._context().rank)
+    world_size = property(lambda self: self._context().world_size)
+    is_main = property(lambda self: self._context().is_main)
+
+    @property
+    def done(self) -> bool:
+        """The run reached DONE (or stopped): no more steps."""
+        return self.machine.finished
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step: train.grad_accum_steps, or what the elastic policy chose at RESTORE."""
+        return self.shard.grad_accum_steps
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run at its global batch (after a world-size change, the one the policy kept)."""
+        return self._run_steps(self.state.batch_geometry.global_batch)
+
+    def _run_steps(self, global_batch: int | None) -> int:
+        data = self._data
+        return run_steps(self.cfg.train, None if data is None or data.stream else data.samples, self.ctx.world_size,
+                         global_batch, self.state.progress)
+
+    # -- SETUP -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Session":
+        self._started, self._started_unix = time.monotonic(), time.time()
+        self.health.signals.install(setting_up=True)  # until SETUP is left, a signal ends this rank at once
+        try:
+            self._setup()
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def _setup(self) -> None:
+        launch = dist.detect_launch_env()
+        self._rank_label = str(launch.rank)
+        setup_logging(launch.rank, launch.restart_count, self.cfg.log)
+        self.state.threads.start()
+        self.ctx = dist.setup(self.cfg.dist)
+        # log.jsonl once the process group is up: a run.dir it cannot write to is recorded for the restarts, which stop at once.
+        setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
+        self.machine.log_transitions = self.ctx.is_main
+        if self.ctx.distributed and self.cfg.snapshot.retry_for_s >= self.cfg.dist.collective_timeout_s:
+            # The other ranks wait for rank 0's commit in one collective.
+            raise ConfigError(
+                f"snapshot.retry_for_s={self.cfg.snapshot.retry_for_s:g} must be below dist.collective_timeout_s="
+                f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
+            )
+        self.health.attach(self.ctx, self.events)
+        attach_reporters(self.cfg, self.ctx, self.events, self.machine, self.state)
+        planned = fit_to_world(self.cfg.train, self.ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry
+        self.shard = Shard(self.ctx.rank, self.ctx.world_size, self.cfg.train.batch_size, planned.grad_accum_steps)
+        optimizers = self.registry.optimizers
+        self.metrics = TrainMetrics(self.ctx, self.state, self.events, self.health.sync_timer,
+                                    lr=lambda: optimizers()[0].param_groups[0]["lr"] if optimizers() else None)
+
+    def wrap(self, model: nn.Module, loss_fn: Callable | None = None) -> nn.Module:
+        """The model on the session's device, under DDP when there are several workers.
+
+        With ``loss_fn(model, batch)``, what comes back is a module whose ``forward(batch)`` is that
+        loss inside DDP's forward (for ``StepRunner``; needed by ``train.virtual_shards``).
+        """
+        self._in_setup("wrap")
+        if loss_fn is not None:
+            wrapped, self.grad_sync = make_gradient_sync(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
+        elif self.cfg.train.virtual_shards:
+            raise ConfigError(
+                "train.virtual_shards needs the per-shard gradients of elastictrain's step runner: wrap with "
+                "session.wrap(model, loss_fn) and train with elastictrain.StepRunner (or the Trainer), or set "
+                "train.virtual_shards=0"
+            )
+        else:
+            wrapped = dist.wrap_model(model, self.ctx, self.cfg.dist)
+        self.registry.wrapped.append(dist.unwrap(wrapped))
+        return wrapped
+
+    def register(self, **statefuls: Any) -> None:
+        """Everything that is state, by name: models, optimizers, schedulers, scalers, anything with
+        ``state_dict()``/``load_state_dict()``. Saved in every snapshot, loaded by ``restore()``."""
+        self._in_setup("register", "register everything that is state before restoring, or it would not be restored")
+        for name, value in statefuls.items():
+            self.registry.add(name, value)
+
+    def loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> Loader:
+        """This rank's share of ``dataset``, ``train.batch_size`` samples a micro-batch, resumable mid-epoch."""
+        self._in_setup("loader")
+        if self._data is not None:
+            raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
+                             "snapshots keep; build one loader")
+        self._data = TrainData(dataset, collate_fn, self.cfg, self.ctx, self.state.progress, self.shard,
+                               on_end_without_step=lambda: self._boundary(stepped=False))
+        return Loader(self._data, lambda: self.machine.finished)
+
+    def evaluate_with(self, evaluate: Callable[[], dict[str, float]]) -> None:
+        """EVALUATE (every ``train.eval_every_epochs``, and at the end) calls ``evaluate()`` for metrics reduced
+        across ranks; they are recorded as ``val_<name>``."""
+        self._in_setup("evaluate_with")
+        self._evaluate = evaluate
+
+    def every_epoch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` at each epoch's end, before any snapshot of that step (a per-epoch LR scheduler)."""
+        self._in_setup("every_epoch")
+        self._epoch_end.append(callback)
+
+    # -- RESTORE -----------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Load the newest valid snapshot (both tiers) into everything registered; a fresh start without one."""
+        self._in_setup("restore", "restore() is called once")
+        self.model = model = self.registry.model()
+        data = self._data
+        if data is None and self.cfg.train.max_steps is None:
+            raise ConfigError("a session without session.loader() has no epochs to end it: set train.max_steps")
+        survivors_refused = None
+        if not self.registry.optimizers() and not self._marks_ahead:
+            survivors_refused = "no optimizer is registered, so a copy cannot tell a step half done"
+        self.tiers = SnapshotTiers(
+            self.cfg, self.ctx, model, {**self.registry.statefuls(), **self.state.statefuls()}, self.state, self.events,
+            train_samples=data.samples if data else None, rank_statefuls=data.rank_statefuls if data else {},
+            pending_sums=self.metrics.sums.pending, survivors_refused=survivors_refused)
+        self.plan = Plan(
+            self.cfg.train.max_epochs if data else 2**62, self.cfg.train.max_steps, self.cfg.train.eval_every_epochs,
+            self._evaluate is not None, self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
+            self.cfg.snapshot.local_every_steps if self.tiers.local else 0,
+        )
+        ctx = self.ctx
+        self.events.started(RunInfo(
+            rank=ctx.rank, local_rank=ctx.env.local_rank, world_size=ctx.world_size, node_rank=ctx.env.node_rank,
+            restart_count=ctx.env.restart_count, launcher=ctx.env.launcher, run_dir=self.cfg.run_dir,
+            total_steps=self.total_steps, store=ctx.run_store, round_id=ctx.round_id,
+        ))
+        self.machine.transition(State.RESTORE, self.global_step)
+        restored = self.tiers.restore()
+        if restored is None:
+            seed_rng(self.cfg.run.seed + ctx.rank)
+            log.info("no snapshot at %s: starting fresh (world size %d)", self.tiers.url, ctx.world_size)
+        # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
+        fit = fit_to_world(self.cfg.train, ctx.world_size, self.state.batch_geometry, restored and restored.saved_world_size)
+        self.registry.build_schedulers(scheduler_steps(self.cfg.train, self._run_steps(fit.global_batch)),
+                                       self.tiers.durable.statefuls)
+        self.shard = apply_fit(fit, self.state.batch_geometry, ctx.rank, ctx.world_size, self.cfg.train,
+                               self.registry.with_schedulers())
+        if data is not None:
+            data.shard = self.shard
+        self.state.run_log.begin(
+            restart_count=ctx.env.restart_count, world_size=ctx.world_size, start_step=self.global_step,
+            launcher=ctx.env.launcher, started_unix=self._started_unix, restored=restored is not None,
+        )
+        self.events.restored(self.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        if ctx.is_main:
+            log.info("%s", self.state.threads.report())
+        self.tiers.begin(self._started_unix)
+        self.metrics.begin()
+        self._run(self._next_state(self.health.settle(self.tiers, self.global_step)))
+
+    def registered(self, name: str) -> Any:
+        """What is registered under ``name`` (after restore: a scheduler built from a factory)."""
+        return self.registry.objects[name]
+
+    # -- TRAIN -------------------------------------------------------------------------------
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left, from the restored one; ends when the run is done."""
+        self._training("epochs")
+        while not self.machine.finished:
+            yield self.epoch
+
+    def log(self, samples: int = 1, **values: Any) -> None:
+        """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
+        ranks every train.log_every_steps (and recorded as ``train_<name>``)."""
+        self.metrics.add(samples, values)
+
+    def gradients_ready(self) -> None:
+        """For step runners: every rank holds this step's gradients, the optimizer step follows (survivor copies
+        then name the step it completes)."""
+        self._marks_ahead = True
+        self._mark(self.global_step + 1)
+
+    def step(self, **values: Any) -> None:
+        """After each optimizer step: advance, vote, and do what the ranks agreed (snapshot, evaluate, stop).
+
+        ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
+        self._training("step")
+        data = self._data
+        if data is not None:
+            taken = data.take()
+            if len(taken) != self.shard.grad_accum_steps:
+                raise UsageError(
+                    f"session.step() after {len(taken)} micro-batch(es) of the loader; a step takes "
+                    f"{self.shard.grad_accum_steps} (session.grad_accum_steps): call step() once per optimizer step"
+                )
+            if values:
+                self.metrics.add(sum(taken), values)
+        elif values:
+            self.metrics.add(1, values)
+        self.metrics.stepped(time.perf_counter() - self._step_started)
+        self.state.progress.advance(self.shard.samples_per_step if data is not None else 0)
+        self.health.beat(self.global_step)
+        self.state.goodput.stepped(self.global_step)
+        if not self._marks_ahead:
+            self._mark()
+        self._boundary(stepped=True)
+
+    def _boundary(self, stepped: bool) -> None:
+        """After a step (or a stream's end): end the epoch, reduce, vote, and carry out the agreed next state."""
+        step = self.global_step
+        epoch_ended = self._data is not None and (self._data.epoch_ended or not stepped)
+        if epoch_ended:
+            self.state.progress.end_epoch()
+            self._data.end_epoch()
+            for callback in self._epoch_end:
+                callback()
+        if epoch_ended or step % self.cfg.train.log_every_steps == 0:
+            self._reduce_train_metrics()
+        self.health.announce(step)
+        # The vote posted now is read at the next voting boundary: it overlaps the steps between.
+        requests = self.health.post(self.tiers, step)
+        if requests.snapshot_failed:
+            self.tiers.durable.raise_write_failure()
+        if self._next_state(requests) is not State.TRAIN:
+            if self.metrics.pending:
+                self._reduce_train_metrics()
+            # Leave TRAIN with nothing in flight and everything every rank asked for.
+            self._run(self._next_state(requests | self.health.settle(self.tiers, step)))
+        self._step_started = time.perf_counter()
+
+    # -- the states after TRAIN ---------------------------------------------------------------
+
+    def _run(self, state: State) -> None:
+        """Carry out states until TRAIN (return), DONE (return) or PREEMPTED (raise Preempted)."""
+        while True:
+            if state in (State.DONE, State.PREEMPTED):
+                self.tiers.flush(state is State.DONE, self.global_step)
+            self.machine.transition(state, self.global_step)
+            if state is State.TRAIN:
+                self._mark()  # this rank's part of a copy of this step, should a peer die before the next one
+                self._step_started = time.perf_counter()
+                return
+            if state is State.DONE:
+                return
+            if state is State.PREEMPTED:
+                raise Preempted(self.health.signals.requested or "signal", self.global_step)
+            state = {State.EVALUATE: self._evaluate_now, State.SNAPSHOT: self._snapshot,
+                     State.LOCAL_SNAPSHOT: self._local_snapshot}[state]()
+
+    def _next_state(self, requests: Requests) -> State:
+        if requests.preempt:  # recorded before the preemption snapshot: the next attempt reads this one as no failure
+            self.state.run_log.current["preempted"] = 1
+        return decide(self.state.progress, self.plan, requests)
+
+    def _evaluate_now(self) -> State:
+        record = {f"val_{name}": value for name, value in self._evaluate().items()}
+        progress = self.state.progress
+        progress.last_evaluated_step = progress.global_step
+        self.history.append(step=progress.global_step, epoch=progress.epoch, **record)
+        log.info("evaluated at step %d (epoch %d): %s", progress.global_step, progress.epoch,
+                 " ".join(f"{k}={v:.4g}" for k, v in record.items()))
+        self.events.evaluated(progress.global_step, progress.epoch, record)
+        return self._next_state(self.health.settle(self.tiers, self.global_step))
+
+    def _snapshot(self) -> State:
+        progress = self.state.progress
+        progress.last_snapshot_step = progress.global_step
+        if self.tiers.local is not None:  # a durable snapshot is a fast one too: restarts read memory
+            progress.last_local_snapshot_step = progress.global_step
+        self.state.run_log.current["wall_s"] = time.monotonic() - self._started
+        self.tiers.save_durable(progress.global_step, self._meta())
+        return self._next_state(self.health.settle(self.tiers, self.global_step))
+
+    def _local_snapshot(self) -> State:
+        self.state.progress.last_local_snapshot_step = self.global_step
+        self.state.run_log.current["wall_s"] = time.monotonic() - self._started
+        self.tiers.save_local(self.global_step, self._meta())
+        # No vote here: the ranks agreed on everything when they left TRAIN, nothing is in flight, and
+        # a request raised during the copy is read at the next voting step (a collective saved per copy).
+        return self._next_state(NOTHING)
+
+    def _meta(self) -> dict[str, Any]:
+        p = self.state.progress
+        return {"epoch": p.epoch, "epoch_offset": p.epoch_offset, "world_size": self.ctx.world_size}
+
+    def _reduce_train_metrics(self) -> None:
+        self.metrics.reduce(self.shard.samples_per_step)
+        self._mark()  # the sums are now in the history (and a stream's epoch may have ended)
+
+    # -- survivor copies ---------------------------------------------------------------------
+
+    def _mark(self, step: int | None = None) -> None:
+        if self.tiers is not None and self.tiers.survivors is not None:
+            self.tiers.mark(step)
+            self._optimizer_steps = 0
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_steps += 1
+
+    def _write_survivor_copy(self) -> None:
+        if not self._marks_ahead and self._optimizer_steps:
+            log.info("no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
+                     "the restart reads the newest fast copy", self.global_step)
+            return
+        self.tiers.write_survivor_copy(self.metrics.record, self._meta(), self._rank_label, time.monotonic() - self._started)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        replacement = None
+        try:
+            if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
+                replacement = self._fail(exc)
+            elif exc is None and not self.machine.finished:
+                last = self.tiers.last_committed if self.tiers else None
+                log.warning("rank %s left the session at step %d before the run was done; the next launch resumes "
+                            "from the newest snapshot (step %s)", self._rank_label, self.global_step,
+                            last[0] if last else "none: a fresh start")
+        finally:
+            self.health.signals.uninstall()
+            if self.tiers is not None:
+                self.tiers.close()
+            self.events.closed()
+            if self.ctx is not None:
+                dist.teardown(self.ctx)
+            if self._peer_lost:  # the launcher's SIGTERM, held for a snapshot a broken group cannot take, ends us now
+                self.health.signals.redeliver()
+        if replacement is not None:
+            raise replacement from None
+        return False
+
+    def _fail(self, exc: BaseException) -> BaseException | None:
+        """Say in one line why this rank stopped (failures.py) and go to FAILED; a PeerLost to raise instead."""
+        state = self.machine.state
+        lost = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx, self.cfg.preempt.requeue)
+        if lost is not None:
+            self._peer_lost = True
+            if self.tiers is not None and self.tiers.survivors is not None and state is State.TRAIN:
+                self._write_survivor_copy()
+        if not self.machine.finished:
+            self.machine.transition(State.FAILED, self.global_step)
+        return lost
+
+    def _preempted(self, src: State, dst: State, step: int) -> None:
+        self.state.run_log.current["preempted"] = 1
+        self.health.preempted(step, self.tiers.last_committed)
+
+    def _summarize(self, src: State, dst: State, step: int) -> None:
+        self.summary = summarize(dst.name, self.state, self.model, self.ctx.world_size, self.ctx.env.restart_count,
+                                 time.monotonic() - self._started)
+        log.info("%s", self.summary.line())
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _context(self) -> dist.DistContext:
+        if self.ctx is None:
+            raise UsageError("the session is not set up: use it as `with elastictrain.Session(config) as session:`")
+        return self.ctx
+
+    def _in_setup(self, call: str, why: str = "") -> None:
+        self._context()
+        if self.machine.state is not State.SETUP:
+            raise UsageError(f"session.{call}() after session.restore(): {why or 'set the session up before restoring'}")
+
+    def _training(self, call: str) -> None:
+        self._context()
+        if self.machine.state is State.SETUP:
+            raise UsageError(f"session.{call}() before session.restore(): restore first (a fresh start when there is "
+                             "no snapshot), so that training continues from the newest snapshot")
+
+
+__all__ = ["RunSummary", "Session"]

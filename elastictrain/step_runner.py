@@ -1,0 +1,69 @@
+"""One optimizer step of the usual kind: micro-batches, autocast, a grad scaler, clipping, the scheduler.
+
+``StepRunner(session, model, optimizer, ...)`` runs a step's micro-batches through
+``model(batch)`` (the module ``session.wrap(model, loss_fn)`` returned: its forward is the loss,
+inside DDP's forward), each under the gradient sync's context (DDP's ``no_sync`` for all but the
+last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-batch's loss and
+metrics to the session, and steps the optimizer. It tells the session when the gradients are in,
+so that survivor copies name the step this one completes. ``Trainer`` uses it; a custom loop with
+one optimizer may too. Call ``session.step()`` after ``run``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from . import failpoints
+from .data import batch_size_of
+from .task import split_loss
+
+
+class StepRunner:
+    def __init__(self, session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
+        if session.grad_sync is None:
+            raise TypeError("StepRunner trains the module session.wrap(model, loss_fn) returned; wrap with a loss_fn")
+        train = session.cfg.train
+        self.session, self.model, self.optimizer = session, model, optimizer
+        self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
+        self.clip_grad_norm = train.clip_grad_norm
+        self.per_step_scheduler = train.lr_scheduler_interval == "step"
+        self._autocast = lambda: autocast(train.autocast_dtype, session.device)
+
+    def run(self, batches: list[Any]) -> None:
+        session, sync, optimizer, scaler = self.session, self.session.grad_sync, self.optimizer, self.scaler
+        accum, step = len(batches), session.global_step
+        for micro, batch in enumerate(batches):
+            with sync.micro_batch(micro, accum, step):
+                with self._autocast():
+                    loss, metrics = split_loss(self.model(batch))  # loss_fn inside DDP's forward: see dist.LossForward
+                scaled = sync.scale(loss, accum)
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            session.log(batch_size_of(batch), **{"loss": loss, **metrics})
+        sync.finish(accum)  # every rank holds the step's gradients
+        # Per-rank state is now what it will be after this step: a rank that dies in the optimizer
+        # step, which its peers also finish, still leaves a slot naming the step they are at.
+        session.gradients_ready()
+        failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
+        if self.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None and self.per_step_scheduler:
+            self.lr_scheduler.step()
+
+
+def autocast(dtype: str, device: torch.device) -> Any:
+    """``train.autocast_dtype`` as a context: none, bfloat16 or float16 on the session's device."""
+    if dtype == "none":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))

@@ -1,0 +1,151 @@
+"""The training set's position, sharded: each step's micro-batches, from where the run is.
+
+``Session.loader(dataset)`` returns one. Iterated, it yields this rank's micro-batches of the
+current epoch from the restored position (``progress.epoch`` and ``epoch_offset``, counted in
+global samples), ``grad_accum_steps`` of them per optimizer step, on the session's device. The
+order is a function of (run.seed, epoch) and the position alone, so a restart at any world size
+continues with the samples an unbroken run would have seen next (``data.ShardedBatchSampler``).
+A stream (``IterableDataset``) is read in per-rank shares whose positions travel in snapshots.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import Dataset
+
+from . import dist
+from .config import Config
+from .data import (
+    Shard,
+    ShardedBatchSampler,
+    batch_size_of,
+    check_stream,
+    is_stream,
+    make_loader,
+    make_stream_loader,
+    steps_in_epoch,
+    to_device,
+)
+from .errors import ConfigError
+from .sample_seeds import warn_own_generators
+from .snapshot import Progress
+
+_UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the stream does
+
+
+class TrainData:
+    def __init__(self, dataset: Dataset, collate_fn: Callable | None, cfg: Config, ctx: dist.DistContext,
+                 progress: Progress, shard: Shard, on_end_without_step: Callable[[], None]) -> None:
+        self.dataset, self.collate_fn, self.cfg, self.ctx, self.progress = dataset, collate_fn, cfg, ctx, progress
+        self.shard = shard
+        self.stream = is_stream(dataset)
+        self.samples = None if self.stream else len(dataset)
+        self._on_end_without_step = on_end_without_step  # the session ends the epoch then
+        self._batches: Iterator | None = None
+        self.steps_left = 0
+        self.taken: list[int] = []  # the sample counts of the micro-batches handed out since the last step
+        train = cfg.train
+        if self.stream:
+            check_stream(dataset, cfg.data.num_workers, train.max_steps)
+            if train.virtual_shards:
+                raise ConfigError(
+                    f"train.virtual_shards needs a map-style Dataset: a stream ({type(dataset).__name__}) is "
+                    "read in per-rank shares that cannot be cut into the same virtual shards at another world size; "
+                    "set train.virtual_shards=0"
+                )
+            return
+        if ctx.is_main:
+            warn_own_generators(dataset)
+        if steps_in_epoch(len(dataset), shard) == 0:
+            raise ConfigError(
+                f"the training set has {len(dataset)} samples, fewer than one optimizer step takes "
+                f"({shard.samples_per_step} = train.batch_size x world size x train.grad_accum_steps); lower train.batch_size"
+            )
+
+    @property
+    def rank_statefuls(self) -> dict[str, Any]:
+        """A stream's position differs per rank: one entry per rank in the snapshot."""
+        return {"train_data": self.dataset} if self.stream else {}
+
+    @property
+    def epoch_ended(self) -> bool:
+        return self._batches is not None and self.steps_left == 0
+
+    def end_epoch(self) -> None:
+        self._batches = None
+
+    def steps(self, finished: Callable[[], bool]) -> Iterator[list[Any]]:
+        """The micro-batches of each remaining step of this epoch, until the epoch or the run ends."""
+        if finished():
+            return
+        if self._batches is None:
+            self._open_epoch()
+        if self.steps_left == 0:  # after a restore into a larger world, the rest of an epoch can be under one step
+            self._on_end_without_step()
+            return
+        try:
+            yield from self._steps(finished)
+        except GeneratorExit:  # the loop was left mid-epoch: the next one reopens it at the run's position
+            self._batches, self.taken = None, []
+            raise
+
+    def _steps(self, finished: Callable[[], bool]) -> Iterator[list[Any]]:
+        while self.steps_left > 0 and not finished():
+            batches = self._next_batches()
+            if batches is None:  # a stream's epoch ended on some rank: every rank ends it here
+                self.steps_left = 0
+                self._on_end_without_step()
+                return
+            self.steps_left -= 1
+            yield [to_device(b, self.ctx.device) for b in batches]
+
+    def take(self) -> list[int]:
+        taken, self.taken = self.taken, []
+        return taken
+
+    def _open_epoch(self) -> None:
+        epoch, seed = self.progress.epoch, self.cfg.run.seed + self.progress.epoch
+        if self.stream:
+            loader = make_stream_loader(self.dataset, self.cfg.train.batch_size, epoch, seed, self.collate_fn)
+            self._batches, self.steps_left = iter(loader), _UNTIL_EXHAUSTED
+            return
+        sampler = ShardedBatchSampler(len(self.dataset), self.shard, self.cfg.run.seed, epoch,
+                                      self.progress.epoch_offset, self.cfg.data.shuffle)
+        loader = make_loader(self.dataset, sampler, self.cfg.data.num_workers, seed, self.collate_fn,
+                             seed_in_process=self.cfg.train.virtual_shards > 0)  # the same numbers whichever rank fetches a sample
+        self._batches = iter(loader)
+        self.steps_left = sampler.steps
+
+    def _next_batches(self) -> list[Any] | None:
+        """The micro-batches of the next step; None when a stream's epoch ended (on any rank: all agree)."""
+        accum = self.shard.grad_accum_steps
+        if not self.stream:
+            return [next(self._batches) for _ in range(accum)]
+        batches = list(itertools.islice(self._batches, accum))
+        # A short or missing batch ends the epoch, as an incomplete step does for map-style data.
+        ended = len(batches) < accum or any(batch_size_of(b) < self.cfg.train.batch_size for b in batches)
+        if self.ctx.distributed:
+            ended = dist.all_reduce_sum(torch.tensor([float(ended)], dtype=torch.float64), self.ctx).item() > 0
+        return None if ended else batches
+
+
+class Loader:
+    """What ``Session.loader`` returns: iterate it for this epoch's micro-batches (one at a time)."""
+
+    def __init__(self, data: TrainData, finished: Callable[[], bool]) -> None:
+        self._data, self._finished = data, finished
+
+    def __iter__(self) -> Iterator[Any]:
+        for batches in self._data.steps(self._finished):
+            for batch in batches:
+                self._data.taken.append(batch_size_of(batch))  # the session checks a step took grad_accum_steps
+                yield batch
+
+    def steps(self) -> Iterator[list[Any]]:
+        """Each step's micro-batches as one list (``train.grad_accum_steps`` of them)."""
+        for batches in self._data.steps(self._finished):
+            self._data.taken.extend(batch_size_of(batch) for batch in batches)
+            yield batches
