@@ -44,36 +44,32 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return markdown.replace(MARKER, render(Config, Config().model_dump(mode="json")))
 
 
-def render(model: type[BaseModel], defaults: dict[str, Any], path: tuple[str, ...] = ()) -> str:
-    """One table of the leaf keys of ``model`` at ``path``, then each sub-section, depth first."""
+def render(model: type[BaseModel], defaults: dict[str, Any], path: tuple[str, ...] = (), intro: str = "") -> str:
+    """One table of the leaf keys of ``model`` at ``path``, then each sub-section, depth first.
+
+    ``intro`` is the description of the field that holds this section, shown when the section's
+    class has no docstring.
+    """
     rows, sections = [], []
     for name, field in model.model_fields.items():
         key = (*path, name)
         sub_model = _sub_model(field.annotation)
-        if sub_model is not None:
-            sections.append(render(sub_model, defaults[name], key))
+        if sub_model is not None and isinstance(defaults[name], dict):  # a section (one that may be null is a leaf)
+            sections.append(render(sub_model, defaults[name], key, _description(model, name, field, key)))
             continue
         rows.append(
             f"| `{'.'.join(key)}` | {_type_text(field.annotation, field.metadata)} "
-            f"| `{_default_text(defaults[name])}` | {_cell(_description(model, name, field))} |"
+            f"| `{_default_text(defaults[name])}` | {_cell(_description(model, name, field, key))} |"
         )
     parts = []
     if path:
         parts.append(f"{'#' * min(len(path) + 1, 6)} {'.'.join(path)}\n")
-        intro = _class_doc(model) or _description(*_owner(path))
+        intro = _class_doc(model) or intro
         if intro:
             parts.append(_escape(intro) + "\n")
     if rows:
         parts.append("| key | type | default | description |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
     return "\n".join(parts + sections)
-
-
-def _owner(path: tuple[str, ...]) -> tuple[type[BaseModel], str, Any]:
-    """The model holding the field that ``path`` names, the field's name and the field."""
-    model = Config
-    for name in path[:-1]:
-        model = _sub_model(model.model_fields[name].annotation)
-    return model, path[-1], model.model_fields[path[-1]]
 
 
 def _sub_model(annotation: Any) -> type[BaseModel] | None:
@@ -114,7 +110,7 @@ def _default_text(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1000).splitlines()[0]
 
 
-def _description(model: type[BaseModel], name: str, field: Any) -> str:
+def _description(model: type[BaseModel], name: str, field: Any, key: tuple[str, ...]) -> str:
     if field.description:
         return field.description
     for owner in model.__mro__:  # an inherited field is described where it is declared
@@ -123,20 +119,7 @@ def _description(model: type[BaseModel], name: str, field: Any) -> str:
             if text:
                 return text
             break
-    return _yaml_comments().get(".".join(_path_of(model, name)), "")
-
-
-def _path_of(model: type[BaseModel], name: str, within: type[BaseModel] = Config) -> tuple[str, ...]:
-    """The dotted key path of field ``name`` of ``model``, searched from ``Config``."""
-    if within is model:
-        return (name,)
-    for key, field in within.model_fields.items():
-        sub_model = _sub_model(field.annotation)
-        if sub_model is not None:
-            found = _path_of(model, name, sub_model)
-            if found:
-                return (key, *found)
-    return ()
+    return _yaml_comments().get(".".join(key), "")
 
 
 @lru_cache(maxsize=None)
