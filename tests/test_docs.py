@@ -80,7 +80,7 @@ def test_config_reference_lists_every_key_with_its_default_and_no_other(site):
     assert "watchdog.hang_timeout_s" in rows and "stragglers.factor" in rows  # the sections the old hand-written table lacked
     for key, default in expected.items():
         type_text, default_text, _description = rows[key]
-        assert yaml.safe_load(default_text) == default, f"{key}: the reference says {default_text}, the schema {default!r}"
+        assert yaml.safe_load(default_text) == default, f"{key}: the reference says {default_text!r}, the schema {default!r}"
         assert type_text, key
 
 
