@@ -16,7 +16,7 @@ from one repeat to the next:
   model, optimizer and epoch to one file; a restarted attempt loads it and starts the next epoch;
 - ``elastictrain``: its defaults, a durable snapshot every ``--every-steps`` (100) steps,
   written while training waits;
-- ``elastictrain-fast``: two tiers, as the README's "Snapshot tiers" sets them up: node-local
+- ``elastictrain-fast``: two tiers, as docs/guides/snapshot-tiers.md sets them up: node-local
   copies under ``--fast-dir`` (/dev/shm) every ``--fast-every-s`` (``auto``: Young/Daly's interval
   from the measured cost and failure rate; ``--fast-every-steps`` adds a step interval), and the
   durable tier every ``--fast-durable-every-s`` (120 s) instead of every 100 steps; durable

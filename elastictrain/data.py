@@ -125,7 +125,7 @@ def check_stream(dataset: Any, num_workers: int, max_steps: int | None) -> None:
         raise ConfigError(
             f"train_data is an IterableDataset ({name}) without {' and '.join(f'{m}()' for m in missing)}: its position "
             "cannot be saved, so a restart could not continue where it stopped; give it state_dict()/load_state_dict() "
-            "returning and taking its position (see README, 'Streaming data'), or use a map-style Dataset"
+            "returning and taking its position (see docs/guides/trainer.md, 'Streaming data'), or use a map-style Dataset"
         )
     if num_workers > 0:
         raise ConfigError(
