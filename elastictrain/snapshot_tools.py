@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ElastictrainError, SnapshotError, StorageError
+from .manifest import MANIFEST_NAME, Manifest, SnapshotListing
 from .plots import attempt_markers, write_plots
-from .storage import MANIFEST_NAME, Manifest, SnapshotListing, SnapshotStore
+from .storage import SnapshotStore
 
 WIDTH = 80
 MAX_ATTEMPTS_SHOWN = 10
