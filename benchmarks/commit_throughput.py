@@ -12,8 +12,9 @@ after one step: ``model.pt`` 67 MB and ``state.pt`` 134 MB) is held by worker pr
 
 Variants, each a worker of its own: this checkout as the snapshotter should call it (both objects
 through ``snapshot.writer_for``); this checkout with ``state.pt`` through plain ``torch.save``, as
-``snapshotter.py`` does today; and, with ``--baseline REF``, the store of that git commit (checked out with ``git
-archive`` into a temporary directory), so before and after run in one process tree, in one run.
+``snapshotter.py`` does today; and, with ``--baseline REF``, the store of that git commit
+(checked out with ``git archive`` into a temporary directory), so before and after run in one
+process tree, in one run.
 
 Every repetition runs every variant once, in a fresh random order (seeded), after a pause of
 ``--settle-s`` each, so drift in load on the shared 2-core machine falls on all of them and no

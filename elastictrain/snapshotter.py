@@ -4,14 +4,17 @@
 streams the model and every registered Stateful into the store (manifest last), prunes, and
 then tells every rank the outcome in one broadcast, so all ranks agree at once whether the
 snapshot exists and whether training goes on. Restoring has rank 0 read and verify the newest
-valid snapshot and hand its bytes to every rank, so every rank loads the very same one.
+valid snapshot and hand its bytes to every rank, so every rank loads the very same one
+(``restore.py``, after the checks of ``resume_checks.py``).
 
 A store that cannot be reached is retried by the store (with backoff, ``snapshot.retry_for_s``)
 and then given up *for this snapshot only*: training goes on, one warning says since when
 snapshots are behind, and the next interval tries again. A write that fails for good (disk
 full, permission denied) stops the run cleanly by default (``snapshot.on_error``).
 
-It imports nothing of the loop: the loop hands it the objects to save.
+Its helpers, each a module: ``background_write.py`` (``snapshot.async_write``: one write in
+flight on a thread) and ``lease_keeper.py`` (rank 0 holds the durable store's lease). It imports
+nothing of the loop: the loop hands it the objects to save.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class Snapshotter:
         With a fast tier, every node offers the newest copy it holds and verifies; the durable
         store is read only when it holds a newer one (``restore.py``).
         """
-        return restore_newest(self, fast, self._open_store(), time.monotonic())
+        started = time.monotonic()  # the restore's duration counts opening the store too
+        return restore_newest(self, fast, self._open_store(), started)
 
     def _open_store(self) -> str:
         """Rank 0 checks that the durable store is writable, takes its lease and reads the run's id; every rank
