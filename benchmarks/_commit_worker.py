@@ -91,8 +91,7 @@ class Worker:
         return {"model.pt": model_writer, "state.pt": snapshot.writer_for(self.objects["state.pt"])}
 
     def store(self, request: dict) -> SnapshotStore:
-        kwargs = {"checksum": request["checksum"]} if request.get("checksum") else {}
-        return SnapshotStore(request["url"], request.get("storage_options") or None, **kwargs)
+        return SnapshotStore(request["url"], request.get("storage_options") or None)
 
     def raw(self, request: dict) -> dict:
         if self.serialised is None:

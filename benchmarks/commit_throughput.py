@@ -12,9 +12,9 @@ after one step: ``model.pt`` 67 MB and ``state.pt`` 134 MB) is held by worker pr
 
 Variants, each a worker of its own: this checkout as the snapshotter should call it (both objects
 through ``snapshot.writer_for``); this checkout with ``state.pt`` through plain ``torch.save``, as
-``snapshotter.py`` does today; this checkout writing sha256 instead of xxh3_128 (what the checksum
-library buys); and, with ``--baseline REF``, the store of that git commit (checked out with ``git
-archive`` into a temporary directory), so before and after run in one process tree, in one run.
+``snapshotter.py`` does today; and, with ``--baseline REF``, the store of that git commit
+(checked out with ``git archive`` into a temporary directory), so before and after run in one
+process tree, in one run.
 
 Every repetition runs every variant once, in a fresh random order (seeded), after a pause of
 ``--settle-s`` each, so drift in load on the shared 2-core machine falls on all of them and no
@@ -119,7 +119,6 @@ def run(args: argparse.Namespace, scratch: pathlib.Path) -> dict:
     variants = {
         "new": {"tree": REPO_ROOT, "state_writer": "save_object"},
         "new, state.pt via torch.save": {"tree": REPO_ROOT, "state_writer": "torch.save"},
-        "new, sha256": {"tree": REPO_ROOT, "state_writer": "save_object", "checksum": "sha256"},
     }
     if args.baseline:
         variants[f"baseline {args.baseline}"] = {"tree": archive(args.baseline, scratch), "state_writer": "save_object"}
@@ -164,7 +163,7 @@ def run(args: argparse.Namespace, scratch: pathlib.Path) -> dict:
                                     shutil.rmtree(previous)
                         continue
                     spec = variants[name]
-                    extra = {"state_writer": spec["state_writer"], **({"checksum": spec["checksum"]} if "checksum" in spec else {})}
+                    extra = {"state_writer": spec["state_writer"]}
                     committed = workers[name].request(op="commit", keep_last=1, **base, **extra)
                     rows.append({"target": target, "variant": name, "repeat": repeat, "op": "commit", **committed})
                     restored = workers[name].request(op="restore", **base, **extra)

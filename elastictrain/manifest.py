@@ -3,16 +3,15 @@
 A snapshot is the prefix ``<root>/step-<N>/``; its ``manifest.json`` names every payload object
 with its size and checksum. Only a prefix whose manifest parses and matches its objects exists.
 
-Checksums. Manifest version 2 records each object's checksum algorithm next to its digest;
-new snapshots use xxh3_128 (xxHash's 128-bit XXH3, ~27 GB/s here against sha256's ~1.4 GB/s,
-which made hashing most of a commit's time). It guards against torn, truncated and corrupted
-bytes, not against a forger: what keeps a crafted file from running code is ``torch.load``'s
-``weights_only``. Version 1 manifests (sha256 only) still verify.
+Checksums. The manifest records each object's checksum algorithm next to its digest: xxh3_128
+(xxHash's 128-bit XXH3, ~27 GB/s here against sha256's ~1.4 GB/s, which made hashing most of a
+commit's time). It guards against torn, truncated and corrupted bytes, not against a forger:
+what keeps a crafted file from running code is ``torch.load``'s ``weights_only``. A manifest
+naming an algorithm this version does not know is refused with one line.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -29,8 +28,8 @@ MANIFEST_FORMAT = "elastictrain-snapshot"
 SNAPSHOT_ID = re.compile(r"^step-(\d+)$")
 
 # Algorithm name (as the manifest records it) -> a new hasher with update() and hexdigest().
-CHECKSUMS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
-DEFAULT_CHECKSUM = "xxh3_128"
+CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128}
+CHECKSUM = "xxh3_128"  # what new snapshots record
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,9 @@ class Manifest:
                 snapshot_id=str(document["snapshot_id"]),
                 step=int(document["step"]),
                 created_unix=float(document["created_unix"]),
-                objects={str(name): _object_entry(entry, version) for name, entry in document["objects"].items()},
+                objects={str(name): ObjectEntry(size=int(entry["size"]), algorithm=str(entry["algorithm"]),
+                                                digest=str(entry["digest"]))
+                         for name, entry in document["objects"].items()},
                 meta=dict(document["meta"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -102,12 +103,6 @@ class Manifest:
                     f"not know (it knows {', '.join(sorted(CHECKSUMS))}); upgrade elastictrain to resume from it"
                 )
         return manifest
-
-
-def _object_entry(entry: dict, version: int) -> ObjectEntry:
-    if version == 1:  # before the algorithm was recorded, every object had a sha256
-        return ObjectEntry(size=int(entry["size"]), algorithm="sha256", digest=str(entry["sha256"]))
-    return ObjectEntry(size=int(entry["size"]), algorithm=str(entry["algorithm"]), digest=str(entry["digest"]))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ElastictrainError, SnapshotError, StorageError
+from .manifest import MANIFEST_NAME, Manifest, SnapshotListing
 from .plots import attempt_markers, write_plots
-from .storage import MANIFEST_NAME, Manifest, SnapshotListing, SnapshotStore
+from .storage import SnapshotStore
 
 WIDTH = 80
 MAX_ATTEMPTS_SHOWN = 10
@@ -218,11 +219,8 @@ def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
 
 
 def attempts_of(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's attempts a snapshot records: ``attempts``, or ``run_log.attempts``; [] in older ones."""
-    attempts = state.get("attempts")
-    if attempts is None:
-        attempts = (state.get("run_log") or {}).get("attempts")
-    return list(attempts or [])
+    """The run's attempts a snapshot records (``run_log.attempts``); [] where it has no run log."""
+    return list((state.get("run_log") or {}).get("attempts") or [])
 
 
 def _history_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

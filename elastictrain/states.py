@@ -61,7 +61,6 @@ class StateMachine:
     def __init__(self, log_transitions: bool = True) -> None:
         self.state = State.SETUP
         self.log_transitions = log_transitions
-        self.history: list[tuple[State, State, int]] = []
         self._hooks: dict[tuple[State | None, State | None], list[Hook]] = defaultdict(list)
 
     def on(self, src: State | None = None, dst: State | None = None) -> Callable[[Hook], Hook]:
@@ -78,7 +77,6 @@ class StateMachine:
         if dst not in ALLOWED[src]:
             raise IllegalTransition(f"illegal transition {src.name} -> {dst.name} at step {step}")
         self.state = dst
-        self.history.append((src, dst, step))
         if self.log_transitions:
             log.info("state %s -> %s at step %d", src.name, dst.name, step)
         for key in ((src, dst), (src, None), (None, dst), (None, None)):

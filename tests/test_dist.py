@@ -123,10 +123,10 @@ def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it
     import torch.distributed as tdist
 
     from elastictrain.dist import DistContext, LaunchEnv
-    from elastictrain.snapshotter import _job_token
+    from elastictrain.lease_keeper import job_token
 
     def token(run_id, store):
-        return _job_token(DistContext(LaunchEnv("torchrun", run_id=run_id), True, torch.device("cpu"), "gloo", 60.0, store))
+        return job_token(DistContext(LaunchEnv("torchrun", run_id=run_id), True, torch.device("cpu"), "gloo", 60.0, store))
 
     assert token("exp1", tdist.HashStore()) == token("exp1", tdist.HashStore()) == token("exp1", None) == "torchrun exp1"
     # torchrun's default --rdzv-id is every such job's: there the token is drawn once per store.

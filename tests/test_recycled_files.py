@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 
-from elastictrain.storage import MANIFEST_NAME, SnapshotStore, snapshot_id_for_step
+from elastictrain.manifest import MANIFEST_NAME, snapshot_id_for_step
+from elastictrain.storage import SnapshotStore
 
 BIG = bytes(range(256)) * 8192  # 2 MiB
 

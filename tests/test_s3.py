@@ -18,12 +18,9 @@ import traceback
 import pytest
 
 from elastictrain.errors import StorageError, StorageUnavailable, StoreLeaseError
-from elastictrain.storage import (
-    LEASE_NAME,
-    MANIFEST_NAME,
-    SnapshotStore,
-    snapshot_id_for_step,
-)
+from elastictrain.lease import LEASE_NAME
+from elastictrain.manifest import MANIFEST_NAME, snapshot_id_for_step
+from elastictrain.storage import SnapshotStore
 from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY
 
 HANG_GUARD_S = 60  # generous: only catches a hang, not a slow machine

@@ -191,7 +191,7 @@ def test_show_counts_attempts_and_restarts_a_snapshot_records(store_dir):
     ]
     model = (snapshot_dir(store_dir, 96) / MODEL_OBJECT).read_bytes()
     store.commit(100, {MODEL_OBJECT: lambda handle: handle.write(model),
-                       STATE_OBJECT: writer_for({**state, "attempts": attempts, "goodput": {"seconds_by_cause": {
+                       STATE_OBJECT: writer_for({**state, "run_log": {"attempts": attempts}, "goodput": {"seconds_by_cause": {
                            "productive": 8.0, "snapshot": 0.5, "restore": 0.0, "recompute": 0.0, "evaluate": 0.0, "restart": 1.5}}})},
                  {"epoch": 3, "epoch_offset": 0, "world_size": 1, "format_version": 1})
     done = elastictrain("snapshots", "show", store_dir)

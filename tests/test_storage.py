@@ -5,7 +5,6 @@ runs against a local directory and a fresh memory:// root.
 """
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -20,14 +19,8 @@ import pytest
 import xxhash
 
 from elastictrain.errors import SnapshotError, StorageError
-from elastictrain.storage import (
-    MANIFEST_NAME,
-    MANIFEST_VERSION,
-    Manifest,
-    ObjectEntry,
-    SnapshotStore,
-    snapshot_id_for_step,
-)
+from elastictrain.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, ObjectEntry, snapshot_id_for_step
+from elastictrain.storage import SnapshotStore
 
 BIG_CHUNK = bytes(range(256)) * 4096  # 1 MiB
 BIG_OBJECT = b"".join(BIG_CHUNK[i:] + BIG_CHUNK[:i] for i in range(5))  # 5 MiB, not periodic
@@ -147,18 +140,6 @@ def test_commit_then_read_returns_exact_bytes_and_hashes(store):
     assert payload == {"model": BIG_OBJECT, "optim": small}
 
 
-def write_version_1_snapshot(store, step, data):
-    """A snapshot exactly as elastictrain wrote it before manifests named their checksum: sha256 only."""
-    snapshot_id = snapshot_id_for_step(step)
-    store.fs.makedirs(f"{store.root}/{snapshot_id}", exist_ok=True)
-    store.fs.pipe_file(object_path(store, step, "model"), data)
-    manifest = {
-        "format": FORMAT, "manifest_version": 1, "snapshot_id": snapshot_id, "step": step, "created_unix": 1.0,
-        "objects": {"model": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}, "meta": {},
-    }
-    store.fs.pipe_file(object_path(store, step, MANIFEST_NAME), json.dumps(manifest).encode())
-
-
 def test_new_snapshots_record_their_checksum_algorithm(store):
     commit_small(store, 10)
     document = json.loads(store.fs.cat_file(object_path(store, 10, MANIFEST_NAME)))
@@ -166,27 +147,6 @@ def test_new_snapshots_record_their_checksum_algorithm(store):
     assert document["manifest_version"] == 2
     assert document["objects"] == {"model": {"size": len(data), "algorithm": "xxh3_128",
                                              "digest": xxhash.xxh3_128(data).hexdigest()}}
-
-
-def test_version_1_snapshots_verify_with_sha256_and_a_flipped_byte_is_caught(store, url):
-    write_version_1_snapshot(store, 10, b"written by elastictrain 0.1")
-    manifest, payload = store.latest_valid()
-    assert manifest.objects["model"] == ObjectEntry(27, "sha256", hashlib.sha256(b"written by elastictrain 0.1").hexdigest())
-    assert payload == {"model": b"written by elastictrain 0.1"}
-
-    flip_one_byte(store, 10)
-    with pytest.raises(SnapshotError, match=f"^snapshot {re.escape(url)}/step-000000000010 is corrupt: object 'model' sha256 mismatch"):
-        store.read_verified("step-000000000010")
-
-
-def test_a_store_that_writes_sha256_reads_back_and_catches_a_flipped_byte(url):
-    store = SnapshotStore(url, checksum="sha256")
-    manifest = commit_small(store, 10)
-    assert manifest.objects["model"] == ObjectEntry(16, "sha256", hashlib.sha256(b"model at step 10").hexdigest())
-    assert SnapshotStore(url).read_verified("step-000000000010")[1] == {"model": b"model at step 10"}
-    flip_one_byte(store, 10)
-    with pytest.raises(SnapshotError, match="object 'model' sha256 mismatch"):
-        SnapshotStore(url).read_verified("step-000000000010")
 
 
 def test_an_unknown_checksum_algorithm_is_one_line_and_the_snapshot_is_skipped(store, url, caplog):
@@ -201,7 +161,7 @@ def test_an_unknown_checksum_algorithm_is_one_line_and_the_snapshot_is_skipped(s
         store.read_verified("step-000000000020")
     assert str(raised.value) == (
         f"snapshot {url}/step-000000000020 is corrupt: manifest {url}/step-000000000020/{MANIFEST_NAME} checks object "
-        "'model' with 'blake9', which this elastictrain does not know (it knows sha256, xxh3_128); upgrade elastictrain "
+        "'model' with 'blake9', which this elastictrain does not know (it knows xxh3_128); upgrade elastictrain "
         "to resume from it"
     )
     with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
@@ -455,11 +415,12 @@ def test_local_writer_error_leaves_no_temp_file(tmp_path):
 
 KILLED_COMMIT = """
 import os, sys
-from elastictrain import storage
+from elastictrain import commit
+from elastictrain.storage import SnapshotStore
 
 url, kill_at = sys.argv[1], sys.argv[2]
 if kill_at == "before-manifest":  # every payload byte written and fsynced, the manifest not begun
-    storage.SnapshotStore._write_local_atomically = lambda *args, **kwargs: os._exit(9)
+    commit.write_local_atomically = lambda *args, **kwargs: os._exit(9)
 
 def optim(handle):
     handle.write(b"optim ")
@@ -467,7 +428,7 @@ def optim(handle):
         os._exit(9)
     handle.write(b"at step 20")
 
-storage.SnapshotStore(url).commit(20, {"model": lambda handle: handle.write(b"model at step 20"), "optim": optim}, meta={})
+SnapshotStore(url).commit(20, {"model": lambda handle: handle.write(b"model at step 20"), "optim": optim}, meta={})
 """
 
 

@@ -1,0 +1,142 @@
+"""Restoring on every rank: which snapshot (the durable store's newest or a node's fast copy), and loading it.
+
+With a fast tier, every node offers the newest copy it holds and verifies; the durable store is
+read only when it holds a newer one. The bytes travel from the rank that read them to every
+other rank, so every rank loads the very same snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import errors
+from .dist import all_gather, broadcast_bytes_from_main, broadcast_from_main
+from .errors import ConfigError, ElastictrainError, SnapshotError
+from .manifest import Manifest
+from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyperparameters
+from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
+
+if TYPE_CHECKING:
+    from .snapshotter import Snapshotter
+
+log = logging.getLogger("elastictrain")
+
+# Components a user may add or drop between runs (a scheduler, a scaler): a mismatch is a
+# warning and the component starts fresh. Every other entry is ours and always present.
+_OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
+
+
+@dataclass(frozen=True)
+class Restored:
+    snapshot_id: str
+    step: int
+    saved_world_size: int
+    duration_s: float
+
+
+def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, started: float) -> Restored | None:
+    """Every rank: load the newest valid snapshot of either tier into ``durable``'s objects; None to start fresh.
+
+    Sets ``durable.last_committed`` to the durable store's newest committed snapshot.
+    """
+    local_steps, local_found = [-1], None
+    if fast is not None:
+        refused = fast.join_run(run_id)
+        if refused is None:
+            local_found = fast.newest_local() if durable.cfg.snapshot.resume else fast.clear()
+        offer = (local_found[0].step if local_found else -1, durable.ctx.env.node_rank, refused)
+        local_steps, nodes, refusals = zip(*all_gather(offer, durable.ctx))
+        for refusal in filter(None, refusals):  # every rank stops with the first node's line
+            raise ConfigError(refusal)
+    newest_local = max(local_steps)
+    found, error = None, None
+    if durable.ctx.is_main:
+        try:
+            if durable.cfg.snapshot.resume:
+                found = durable.store.latest_valid(newer_than=newest_local)
+                if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
+                    committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]
+                    durable.last_committed = (committed[-1].step, committed[-1].created_unix) if committed else None
+            elif durable.store.list_snapshots():
+                # A fresh run writing beside another run's snapshots would mix the two.
+                raise SnapshotError(
+                    f"snapshot.resume=false but {durable.store.url} already holds snapshots; "
+                    f"{start_fresh_advice(durable.cfg)}, or remove them — nothing was deleted"
+                )
+        except ElastictrainError as exc:
+            error = (type(exc).__name__, str(exc))
+    manifest, error = broadcast_from_main((found[0] if found else None, error), durable.ctx)
+    if error is not None:
+        raise getattr(errors, error[0], ElastictrainError)(error[1])
+    if manifest is not None:  # the durable store's is the newest: rank 0 read it
+        objects = broadcast_bytes_from_main(found[1] if found else None, durable.ctx)
+        load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}")
+        durable.last_committed = (manifest.step, manifest.created_unix)
+    elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
+        holder = local_steps.index(newest_local)
+        manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
+        objects = broadcast_bytes_from_main(local_found[1] if local_found else None, durable.ctx, src=holder)
+        load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}")
+        log.info("restored step %d from the node-local tier of node %d (rank %d)%s%s", manifest.step, nodes[holder],
+                 holder, " (a survivor copy)" if manifest.meta.get("survivor") else "",
+                 "" if holder == durable.ctx.rank else ", sent to this rank")
+    else:
+        return None
+    saved_world_size = int(manifest.meta.get("world_size", durable.ctx.world_size))
+    return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
+
+
+def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str) -> None:
+    """Load a snapshot's bytes into ``target``'s model, Statefuls and this rank's RNG, after the resume checks."""
+    for name in (MODEL_OBJECT, STATE_OBJECT):
+        if name not in objects:
+            raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
+    weights = load_object(objects[MODEL_OBJECT], where, target.ctx.device)
+    state = load_object(objects[STATE_OBJECT], where, target.ctx.device)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise SnapshotError(
+            f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
+            f"use the elastictrain version that wrote it, or {start_fresh_advice(target.cfg)} — nothing was deleted"
+        )
+    load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
+    check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
+    if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
+        warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
+    for name, component in target.statefuls.items():
+        saved = state.get(name)
+        if component is not None and saved is not None:
+            component.load_state_dict(saved)
+        elif name in _OPTIONAL_COMPONENTS and (component is None) != (saved is None):
+            log.warning("%s: %s is %s in the snapshot but %s in this run; it starts fresh", where, name,
+                        "absent" if saved is None else "present", "absent" if component is None else "present")
+    progress = target.statefuls["progress"]
+    saved_env = state["env"]
+    for name, component in target.rank_statefuls.items():
+        if saved_env["world_size"] != target.ctx.world_size:
+            raise SnapshotError(
+                f"{where} was taken with world size {saved_env['world_size']}, this run has {target.ctx.world_size}, "
+                f"and {name} is a stream whose per-rank positions cannot be re-sharded; resume with "
+                f"{saved_env['world_size']} workers, or use a map-style Dataset to change the world size"
+            )
+        component.load_state_dict(state["rank_states"][name][target.ctx.rank])
+    if saved_env["world_size"] == target.ctx.world_size:
+        restore_rng(state["rng"][target.ctx.rank], target.ctx.device)
+    elif target.cfg.train.virtual_shards:
+        log.info("%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of "
+                 "epoch %d; each virtual shard seeds its own RNG stream (train.virtual_shards), so the numbers "
+                 "stay bitwise those of an unbroken run", where, saved_env["world_size"], target.ctx.world_size,
+                 progress.epoch_offset, progress.epoch)
+    else:
+        # The data position re-shards exactly; per-rank random streams cannot, so they are
+        # re-seeded from the step (the same on every restart with this world size).
+        seed_rng(target.cfg.run.seed + target.ctx.rank + 1_000_003 * progress.global_step)
+        log.warning(
+            "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
+            "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
+            where, saved_env["world_size"], target.ctx.world_size, progress.epoch_offset, progress.epoch,
+        )
+    log.info("restored %s: step %d, epoch %d, sample %d of the epoch", where, progress.global_step,
+             progress.epoch, progress.epoch_offset)
