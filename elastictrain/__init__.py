@@ -17,9 +17,9 @@ prepare_environment()  # before anything calls MKL (elastictrain/threads.py)
 
 _EXPORTS = {
     "Config": "config", "load_config": "config",
-    "ConfigError": "errors", "DistributedSetupError": "errors", "ElastictrainError": "errors",
+    "ConfigError": "errors", "DistributedSetupError": "errors", "ElastictrainError": "errors", "UsageError": "errors",
     "PeerLost": "errors", "SnapshotError": "errors", "StorageError": "errors", "StorageUnavailable": "errors",
-    "RunSummary": "loop", "Trainer": "loop",
+    "RunSummary": "summary", "Session": "session", "StepRunner": "step_runner", "Trainer": "loop",
     "Observer": "events",
     "Preempted": "signals", "PREEMPTED_EXIT_CODE": "signals",
     "State": "states",

@@ -21,7 +21,8 @@ from .config import Config
 from .dist import DistContext
 from .events import Observers, SnapshotReport
 from .runstate import RunState
-from .snapshotter import Restored, Snapshotter
+from .restore import Restored
+from .snapshotter import Snapshotter
 from .survivor import SurvivorCopies
 
 log = logging.getLogger("elastictrain")
