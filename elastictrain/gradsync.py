@@ -161,6 +161,21 @@ def make_gradient_sync(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cf
     return loss_forward, VirtualShards(model, ctx, shards, cfg.run.seed, timer)
 
 
+def wrap_model_for(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config,
+                   timer: GradientSyncTimer) -> tuple[nn.Module, DDPAccumulation | VirtualShards | None]:
+    """``Session.wrap``: with a loss_fn, the module make_gradient_sync builds and its sync; without one, the plain
+    DDP-wrapped model (a custom loop's own backward) and no sync, which the bitwise-elastic mode cannot do with."""
+    if loss_fn is not None:
+        return make_gradient_sync(model, loss_fn, ctx, cfg, timer)
+    if cfg.train.virtual_shards:
+        raise ConfigError(
+            "train.virtual_shards needs the per-shard gradients of elastictrain's step runner: wrap with "
+            "session.wrap(model, loss_fn) and train with elastictrain.StepRunner (or the Trainer), or set "
+            "train.virtual_shards=0"
+        )
+    return dist.wrap_model(model, ctx, cfg.dist), None
+
+
 def check_virtual_shards(model: nn.Module) -> None:
     """One line for a model whose numbers would depend on how the batch is split."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -8,7 +8,7 @@ run's length is known.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,10 +20,13 @@ from .task import PendingScheduler
 
 
 class Registry:
-    def __init__(self, optimizer_stepped: Callable[..., None]) -> None:
+    def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self.wrapped: list[nn.Module] = []  # what session.wrap() wrapped: each must be registered
-        self._optimizer_stepped = optimizer_stepped
+        self.optimizer_steps = 0  # registered optimizers' steps since the session last reset it
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps += 1
 
     def add(self, name: str, value: Any) -> None:
         if name in RESERVED_NAMES or name in self.objects:

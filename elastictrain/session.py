@@ -36,7 +36,7 @@ from .errors import ConfigError, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
-from .gradsync import make_gradient_sync
+from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
 from .registry import Registry
@@ -69,14 +69,13 @@ class Session:
         self.tiers: SnapshotTiers | None = None
         self.summary: RunSummary | None = None
         self.grad_sync: Any = None  # set by wrap(model, loss_fn): the step runner's gradient sync
-        self.registry = Registry(self._optimizer_stepped)
+        self.registry = Registry()
         self._data: TrainData | None = None
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._epoch_end: list[Callable[[], None]] = []
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self._peer_lost = False
         self._marks_ahead = False  # a step runner marks survivor copies itself (gradients_ready)
-        self._optimizer_steps = 0  # registered optimizers' steps since the last survivor mark
         self.machine.on()(self.events.transition)
         self.machine.on(dst=State.DONE)(self._summarize)
         self.machine.on(dst=State.PREEMPTED)(self._preempted)
@@ -155,16 +154,8 @@ class Session:
         loss inside DDP's forward (for ``StepRunner``; needed by ``train.virtual_shards``).
         """
         self._in_setup("wrap")
-        if loss_fn is not None:
-            wrapped, self.grad_sync = make_gradient_sync(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
-        elif self.cfg.train.virtual_shards:
-            raise ConfigError(
-                "train.virtual_shards needs the per-shard gradients of elastictrain's step runner: wrap with "
-                "session.wrap(model, loss_fn) and train with elastictrain.StepRunner (or the Trainer), or set "
-                "train.virtual_shards=0"
-            )
-        else:
-            wrapped = dist.wrap_model(model, self.ctx, self.cfg.dist)
+        wrapped, sync = wrap_model_for(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
+        self.grad_sync = sync or self.grad_sync
         self.registry.wrapped.append(dist.unwrap(wrapped))
         return wrapped
 
@@ -353,18 +344,11 @@ class Session:
         return self._next_state(self.health.settle(self.tiers, self.global_step))
 
     def _snapshot(self) -> State:
-        progress = self.state.progress
-        progress.last_snapshot_step = progress.global_step
-        if self.tiers.local is not None:  # a durable snapshot is a fast one too: restarts read memory
-            progress.last_local_snapshot_step = progress.global_step
-        self.state.run_log.current["wall_s"] = time.monotonic() - self._started
-        self.tiers.save_durable(progress.global_step, self._meta())
+        self.tiers.take_durable(self._meta(), time.monotonic() - self._started)
         return self._next_state(self.health.settle(self.tiers, self.global_step))
 
     def _local_snapshot(self) -> State:
-        self.state.progress.last_local_snapshot_step = self.global_step
-        self.state.run_log.current["wall_s"] = time.monotonic() - self._started
-        self.tiers.save_local(self.global_step, self._meta())
+        self.tiers.take_local(self._meta(), time.monotonic() - self._started)
         # No vote here: the ranks agreed on everything when they left TRAIN, nothing is in flight, and
         # a request raised during the copy is read at the next voting step (a collective saved per copy).
         return self._next_state(NOTHING)
@@ -382,13 +366,10 @@ class Session:
     def _mark(self, step: int | None = None) -> None:
         if self.tiers is not None and self.tiers.survivors is not None:
             self.tiers.mark(step)
-            self._optimizer_steps = 0
-
-    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._optimizer_steps += 1
+            self.registry.optimizer_steps = 0  # counted from here: a copy of this step refuses half a step
 
     def _write_survivor_copy(self) -> None:
-        if not self._marks_ahead and self._optimizer_steps:
+        if not self._marks_ahead and self.registry.optimizer_steps:
             log.info("no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
                      "the restart reads the newest fast copy", self.global_step)
             return

@@ -99,17 +99,26 @@ class SnapshotTiers:
                 for report in snapshots.poll():
                     self.events.snapshotted(report)
 
-    def save_durable(self, step: int, meta: dict[str, Any]) -> None:
-        """A durable snapshot, and the fast copy of the same step."""
-        self._report(self.durable.save(step, meta))
+    def take_durable(self, meta: dict[str, Any], wall_s: float) -> None:
+        """SNAPSHOT: a durable snapshot of this step, and the fast copy of the same step (restarts read memory)."""
+        progress = self.state.progress
+        progress.last_snapshot_step = progress.global_step
         if self.local is not None:
-            self._report(self.local.save(step, meta))
+            progress.last_local_snapshot_step = progress.global_step
+        self.state.run_log.current["wall_s"] = wall_s
+        self._report(self.durable.save(progress.global_step, meta))
+        if self.local is not None:
+            self._report(self.local.save(progress.global_step, meta))
         # Timed snapshots count from this attempt, committed or not: a store that is down is
         # tried again one interval later, not at every step.
         self._last_durable = time.monotonic()
 
-    def save_local(self, step: int, meta: dict[str, Any]) -> None:
-        self._report(self.local.save(step, meta))
+    def take_local(self, meta: dict[str, Any], wall_s: float) -> None:
+        """LOCAL_SNAPSHOT: each node's fast copy of this step."""
+        progress = self.state.progress
+        progress.last_local_snapshot_step = progress.global_step
+        self.state.run_log.current["wall_s"] = wall_s
+        self._report(self.local.save(progress.global_step, meta))
 
     def mark(self, step: int | None = None) -> None:
         """This rank's part of a survivor copy of ``step`` (default: the current one)."""
