@@ -333,10 +333,10 @@ class Trainer:
                 f"the training set has {len(self.task.train_data)} samples, fewer than one optimizer step takes "
                 f"({self.shard.samples_per_step} = train.batch_size x world size x train.grad_accum_steps); lower train.batch_size"
             )
-        if self.ctx.distributed and self.cfg.snapshot.retry_for_s >= self.cfg.dist.collective_timeout_s:
+        if self.ctx.distributed and self.cfg.snapshot.durable.retry_for_s >= self.cfg.dist.collective_timeout_s:
             # The other ranks wait for rank 0's commit in one collective.
             raise ConfigError(
-                f"snapshot.retry_for_s={self.cfg.snapshot.retry_for_s:g} must be below dist.collective_timeout_s="
+                f"snapshot.durable.retry_for_s={self.cfg.snapshot.durable.retry_for_s:g} must be below dist.collective_timeout_s="
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
         self.sync_timer = GradientSyncTimer()  # each rank's wait in the gradient all-reduce: stragglers
@@ -359,24 +359,24 @@ class Trainer:
             self.snapshots.rank_statefuls, tier="local") if self.cfg.local_snapshot_url else None
         self.plan = Plan(
             train.max_epochs, train.max_steps, train.eval_every_epochs, self.task.val_data is not None,
-            self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
-            self.cfg.snapshot.local_every_steps if self.local_snapshots else 0,
+            self.cfg.snapshot.durable.every_steps, self.cfg.snapshot.durable.on_done,
+            self.cfg.snapshot.local.every_steps if self.local_snapshots else 0,
         )
-        # Rank 0's clock for timed fast copies (snapshot.local_every_seconds); the vote carries it to every rank.
-        timer = FastTierTimer(self.cfg.snapshot.local_every_seconds, prior_mtbf_s=self.cfg.snapshot.local_mtbf_prior_s)
+        # Rank 0's clock for timed fast copies (snapshot.local.every_s); the vote carries it to every rank.
+        timer = FastTierTimer(self.cfg.snapshot.local.every_s, prior_mtbf_s=self.cfg.snapshot.local.mtbf_prior_s)
         if self.local_snapshots is not None and self.ctx.is_main and timer.enabled:
             self.fast_timer = timer
             self.events.add(timer)
         self.vote = StepVote(self.ctx, self.cfg.preempt.vote_every_s)
         self._train_sums = WeightedSums(self.ctx.device)
-        if self.local_snapshots is not None and self.cfg.snapshot.survivor_copies:
+        if self.local_snapshots is not None and self.cfg.snapshot.local.survivor_copies:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None  # torchrun's
             why_not = SurvivorCopies.applies(self.local_snapshots, self.snapshots.model, self.ctx.world_size, local_world)
             if why_not is None:
                 self.survivors = SurvivorCopies(self.local_snapshots, self.ctx.world_size, self.ctx.round_id, self.progress,
                                                 self.history, self.snapshots.rank_state, self._train_sums.pending)
             elif self.ctx.is_main:
-                log.info("no survivor copies (snapshot.survivor_copies): %s", why_not)
+                log.info("no survivor copies (snapshot.local.survivor_copies): %s", why_not)
         self._batches: Iterator | None = None
         self._steps_left = 0
         self._last_snapshot_time = time.monotonic()
@@ -408,7 +408,7 @@ class Trainer:
         self.events.restored(self.progress.global_step, restored.duration_s if restored else 0.0, restored is not None)
         if self.ctx.is_main:
             log.info("%s", self.threads.report())
-        # snapshot.every_seconds counts from the durable store's newest snapshot (the run's first start
+        # snapshot.durable.every_s counts from the durable store's newest snapshot (the run's first start
         # while it has none), not from this attempt: a job failing more often still gets durable snapshots.
         durable = self.snapshots.last_committed
         since_unix = durable[1] if durable else self.run_log.attempts[0].get("started_unix", self._started_unix)
@@ -565,7 +565,7 @@ class Trainer:
     def _local_requests(self) -> Requests:
         if self.signals.requested is not None and not self._preempt_announced:
             self._announce_signal()
-        every_s = self.cfg.snapshot.every_seconds
+        every_s = self.cfg.snapshot.durable.every_s
         timer_fired = self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_snapshot_time >= every_s
         for snapshots in (self.snapshots, self.local_snapshots):
             if snapshots is not None and snapshots.asynchronous and snapshots.is_writer:

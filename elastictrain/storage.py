@@ -268,7 +268,7 @@ class SnapshotStore:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 checksum: str = DEFAULT_CHECKSUM, recycle_keep_last: int = 0, url_key: str = "snapshot.url"):
+                 checksum: str = DEFAULT_CHECKSUM, recycle_keep_last: int = 0, url_key: str = "snapshot.durable.url"):
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, got {checksum!r}")
         self.recycle_keep_last = recycle_keep_last
@@ -354,7 +354,7 @@ class SnapshotStore:
         if is_unavailable(exc):
             message = (
                 f"{failure}: the store did not answer for {elapsed_s:.1f} s (retried with backoff for up to "
-                f"snapshot.retry_for_s={self.retry_for_s:g} s; last error {detail}); check that {self._endpoint_words()} "
+                f"snapshot.durable.retry_for_s={self.retry_for_s:g} s; last error {detail}); check that {self._endpoint_words()} "
                 "is up and reachable; it may come back"
             )
             return StorageUnavailable(self._scrub(message))
@@ -363,19 +363,19 @@ class SnapshotStore:
         if code in CREDENTIAL_CODES:
             message = (
                 f"{failure}: {self._endpoint_words()} refused the credentials ({code}); check key/secret in "
-                "snapshot.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                "snapshot.durable.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
             return StorageError(self._scrub(message))
         if code in ("AccessDenied", "403") or (self._is_s3 and status == 403):
             message = (
                 f"{failure}: {self._endpoint_words()} refused access ({code or status}): the credentials are wrong or "
-                "lack permission on this bucket; check key/secret in snapshot.storage_options or "
+                "lack permission on this bucket; check key/secret in snapshot.durable.storage_options or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy"
             )
             return StorageError(self._scrub(message))
         if any(type(item).__name__ in ("NoCredentialsError", "PartialCredentialsError") for item in causes(exc)):
             message = (
-                f"{failure}: no S3 credentials found; set key/secret in snapshot.storage_options or "
+                f"{failure}: no S3 credentials found; set key/secret in snapshot.durable.storage_options or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
             return StorageError(self._scrub(message))
@@ -386,7 +386,7 @@ class SnapshotStore:
 
     def _missing_bucket_message(self) -> str:
         return (
-            f"bucket '{self._bucket}' does not exist at endpoint {self._endpoint}; create it or fix snapshot.url "
+            f"bucket '{self._bucket}' does not exist at endpoint {self._endpoint}; create it or fix snapshot.durable.url "
             f"(now {self.url})"
         )
 
@@ -919,5 +919,5 @@ class SnapshotStore:
             f"snapshot store {self.url} is in use: run {record.get('run_id')} (host {record.get('host')}, "
             f"pid {record.get('pid')}, last renewed {age}) {how}, and two runs must not write one store; wait for "
             f"it to finish (its lease goes stale {stale_after_s:g} s after its last renewal), use another "
-            "snapshot.url, or set snapshot.lease_stale_after_s=0 to disable the lease"
+            "snapshot.durable.url, or set snapshot.durable.lease_stale_after_s=0 to disable the lease"
         )

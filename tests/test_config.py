@@ -23,12 +23,12 @@ def test_conf_default_yaml_is_the_schema_defaults():
 
 def test_overrides_are_typed_and_nested(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  batch_size: 8\nsnapshot:\n  url: memory://a\n")
+    path.write_text("train:\n  batch_size: 8\nsnapshot:\n  durable:\n    url: memory://a\n")
     cfg = load_config(path, ["train.batch_size=16", "dist.distributed=false", "task.args.hidden=32", "train.max_steps=null"])
     assert cfg.train.batch_size == 16 and cfg.dist.distributed is False
     assert cfg.task.args == {"hidden": 32} and cfg.train.max_steps is None
-    assert cfg.snapshot_url == "memory://a"
-    assert load_config(None, ["run.name=x"]).snapshot_url == str(Path("runs") / "x" / "snapshots")
+    assert cfg.durable_snapshot_url == "memory://a"
+    assert load_config(None, ["run.name=x"]).durable_snapshot_url == str(Path("runs") / "x" / "snapshots")
 
 
 @pytest.mark.parametrize(
@@ -104,10 +104,10 @@ def test_config_is_a_typed_tree():
      ("s3://bucket/run", False), ("memory://x", False), ("simplecache::s3://bucket/run", False)],
 )
 def test_storage_options_are_refused_only_where_fsspec_would_ignore_them(url, local):
-    overrides = ["snapshot.storage_options.endpoint_url=http://127.0.0.1:9000", *([f"snapshot.url={url}"] if url else [])]
+    overrides = ["snapshot.durable.storage_options.endpoint_url=http://127.0.0.1:9000", *([f"snapshot.durable.url={url}"] if url else [])]
     if local:
-        with pytest.raises(ConfigError, match=r"snapshot.storage_options \(endpoint_url\) are ignored for the local path"):
+        with pytest.raises(ConfigError, match=r"snapshot.durable.storage_options \(endpoint_url\) are ignored for the local path"):
             load_config(None, overrides)
     else:
-        assert load_config(None, overrides).snapshot.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
-    assert load_config(None, overrides[1:]).snapshot.storage_options == {}  # no options: any URL
+        assert load_config(None, overrides).snapshot.durable.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert load_config(None, overrides[1:]).snapshot.durable.storage_options == {}  # no options: any URL
