@@ -137,7 +137,8 @@ def with_elastictrain(args: argparse.Namespace, stamps: Stamps, world_size: int)
         "train": {"max_epochs": args.epochs, "batch_size": BATCH_SIZE},
         "log": {"progress_bar": False, "plots": False},
         **{key: value for key, value in overrides.items() if key != "snapshot"},
-        "snapshot": {"url": str(args.workdir / "snapshots"), **overrides.get("snapshot", {})},
+        "snapshot": {**overrides.get("snapshot", {}), "durable": {
+            "url": str(args.workdir / "snapshots"), **overrides.get("snapshot", {}).get("durable", {})}},
     }
     trainer = Trainer(model, optimizer, RepeatingData(args.epoch_steps * BATCH_SIZE * world_size), loss_fn, config=config)
     trainer.on(dst=State.RESTORE)(lambda src, dst, step: stamps.event("group"))

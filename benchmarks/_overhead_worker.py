@@ -75,7 +75,7 @@ def main() -> None:
         config = {
             "run": {"dir": args.run_dir},
             "train": {"max_epochs": 1, "batch_size": args.batch_size, "log_every_steps": 50},
-            "snapshot": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0},
+            "snapshot": {"durable": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0}},
             "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
         }
         for section, values in json.loads(os.environ.get("OVERHEAD_CONFIG", "{}")).items():

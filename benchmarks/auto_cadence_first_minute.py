@@ -1,10 +1,10 @@
-"""What ``snapshot.local_every_seconds=auto`` costs over a run's first minute, with and without the prior.
+"""What ``snapshot.local.every_s=auto`` costs over a run's first minute, with and without the prior.
 
 Each arm is one real ``python -m elastictrain train`` process (the default task, world size 1)
-with the fast tier in a temporary directory under /dev/shm, ``local_every_seconds=auto`` and no
+with the fast tier in a temporary directory under /dev/shm, ``snapshot.local.every_s=auto`` and no
 step-count snapshots. After ``--seconds`` it gets SIGTERM: the preemption snapshot records the
 goodput counters, whose ``snapshot`` cause is the time training spent in fast copies (plus that
-one preemption snapshot, the same in every arm). Arms: ``snapshot.local_mtbf_prior_s`` = 0 (the
+one preemption snapshot, the same in every arm). Arms: ``snapshot.local.mtbf_prior_s`` = 0 (the
 time trained so far stands in for the time between failures) and the default 3600.
 
     PYTHONPATH=. .venv/bin/python benchmarks/auto_cadence_first_minute.py --seconds 60
@@ -31,9 +31,9 @@ FIRST_INTERVAL = re.compile(r"fast-tier copies every ([\d.]+) s from now on \(au
 def run_arm(prior_s: float, seconds: float, work: Path) -> dict:
     run_dir = work / f"prior-{prior_s:g}"
     command = [sys.executable, "-m", "elastictrain", "train", f"run.dir={run_dir}", "train.max_epochs=100000",
-               "snapshot.every_steps=0", "snapshot.keep_last=1", "log.plots=false", "train.log_every_steps=1000",
-               f"snapshot.local_url={work / 'shm'}", f"run.name=prior-{prior_s:g}", "snapshot.local_every_seconds=auto",
-               f"snapshot.local_mtbf_prior_s={prior_s}"]
+               "snapshot.durable.every_steps=0", "snapshot.durable.keep_last=1", "log.plots=false", "train.log_every_steps=1000",
+               f"snapshot.local.url={work / 'shm'}", f"run.name=prior-{prior_s:g}", "snapshot.local.every_s=auto",
+               f"snapshot.local.mtbf_prior_s={prior_s}"]
     with open(run_dir.with_suffix(".log"), "wb") as log_file:
         job = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
         time.sleep(seconds)

@@ -6,9 +6,9 @@ Each run is a real 2-worker ``torchrun`` job of ``_goodput_worker.py`` (goodput.
 
 - ``none``: no fast tier (the one durable snapshot at the end, after the last step);
 - ``sync``: a fast copy under /dev/shm every ``--every`` steps, written while training waits
-  (``snapshot.local_async_write=false``);
+  (``snapshot.local.async_write=false``);
 - ``async``: the same, staged into reused buffers and written in a background thread
-  (``snapshot.local_async_write=true``).
+  (``snapshot.local.async_write=true``).
 
 Cost per copy = (the job's step time summed, less the ``none`` run's of the same repeat) over the
 copies taken: the span from the 21st step's forward to the last one's, so the wait for the copy
@@ -42,9 +42,9 @@ MODES = ("none", "sync", "async")
 
 
 def job_for(mode: str, args: argparse.Namespace, fast_url: str) -> Job:
-    snapshot = {"every_steps": 0}
+    snapshot = {"durable": {"every_steps": 0}}
     if mode != "none":
-        snapshot.update({"local_url": fast_url, "local_every_steps": args.every, "local_async_write": mode == "async"})
+        snapshot["local"] = {"url": fast_url, "every_steps": args.every, "async_write": mode == "async"}
     return Job(mode, "elastictrain", faulted=False, epochs=1, epoch_steps=args.steps, config={"snapshot": snapshot},
                fast_tier_url=None if mode == "none" else f"{fast_url}/goodput")
 
@@ -70,7 +70,7 @@ def measure(raw: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--every", type=int, default=2, help="snapshot.local_every_steps")
+    parser.add_argument("--every", type=int, default=2, help="snapshot.local.every_steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fast-dir", default="/dev/shm")
     parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "fast_copy_cost.json")

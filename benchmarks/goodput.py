@@ -25,7 +25,7 @@ from one repeat to the next:
   cores a background write only competes with the step) or in the background;
 - ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
   WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
-- ``elastictrain-warm-timed``: ``elastictrain-warm`` with ``snapshot.survivor_copies=false``: only
+- ``elastictrain-warm-timed``: ``elastictrain-warm`` with ``snapshot.local.survivor_copies=false``: only
   timed fast copies, no survivor copy of the step a worker died in (elastictrain/survivor.py), so
   the two side by side show what survivor copies are worth.
 
@@ -110,7 +110,7 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
     length = {"epochs": args.epochs, "epoch_steps": epoch_steps}
     jobs = [
         Job("textbook", "textbook", faulted=True, **length),
-        Job("elastictrain", "elastictrain", faulted=True, **length, config={"snapshot": {"every_steps": args.every_steps}}),
+        Job("elastictrain", "elastictrain", faulted=True, **length, config={"snapshot": {"durable": {"every_steps": args.every_steps}}}),
         fast_tier_job("elastictrain-fast", fast_url, args, length),
         fast_tier_job("elastictrain-warm", f"{fast_url}-warm", args, length, warm=True),
         fast_tier_job("elastictrain-warm-timed", f"{fast_url}-warm-timed", args, length, warm=True, survivor=False),
@@ -123,14 +123,13 @@ def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> lis
 def fast_tier_job(name: str, fast_url: str, args: argparse.Namespace, length: dict, warm: bool = False,
                   survivor: bool = True) -> Job:
     """Durable snapshots every --fast-durable-every-s, node-local copies every --fast-every-s (and --fast-every-steps),
-    and a survivor copy when a worker dies inside a step (snapshot.survivor_copies) unless ``survivor`` is false."""
+    and a survivor copy when a worker dies inside a step (snapshot.local.survivor_copies) unless ``survivor`` is false."""
     every_s = args.fast_every_s if args.fast_every_s == "auto" else float(args.fast_every_s)
     return Job(name, "elastictrain", faulted=True, **length, fast_tier_url=f"{fast_url}/goodput", warm=warm,
-               config={"snapshot": {"every_steps": 0, "every_seconds": args.fast_durable_every_s,
-                                    "async_write": args.fast_async, "local_async_write": args.fast_local_async,
-                                    "local_url": fast_url,
-                                    "local_every_steps": args.fast_every_steps, "local_every_seconds": every_s,
-                                    "survivor_copies": survivor}})
+               config={"snapshot": {
+                   "durable": {"every_steps": 0, "every_s": args.fast_durable_every_s, "async_write": args.fast_async},
+                   "local": {"url": fast_url, "every_steps": args.fast_every_steps, "every_s": every_s,
+                             "async_write": args.fast_local_async, "survivor_copies": survivor}}})
 
 
 def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
@@ -357,15 +356,15 @@ def main() -> None:
     parser.add_argument("--epoch-steps", type=int, help="optimizer steps per epoch (default: from --epoch-s)")
     parser.add_argument("--reference-steps", type=int, default=400, help="steps of each unbroken reference run")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between SIGKILLs, from launch")
-    parser.add_argument("--every-steps", type=int, default=100, help="elastictrain's durable snapshot.every_steps")
-    parser.add_argument("--fast-every-steps", type=int, default=0, help="snapshot.local_every_steps of the fast tier")
-    parser.add_argument("--fast-every-s", default="auto", help="snapshot.local_every_seconds of the fast tier (seconds or auto)")
+    parser.add_argument("--every-steps", type=int, default=100, help="elastictrain's snapshot.durable.every_steps")
+    parser.add_argument("--fast-every-steps", type=int, default=0, help="snapshot.local.every_steps of the fast tier")
+    parser.add_argument("--fast-every-s", default="auto", help="snapshot.local.every_s of the fast tier (seconds or auto)")
     parser.add_argument("--fast-durable-every-s", type=float, default=120.0,
-                        help="snapshot.every_seconds of the durable tier in the fast-tier jobs (their every_steps is 0)")
+                        help="snapshot.durable.every_s in the fast-tier jobs (their every_steps is 0)")
     parser.add_argument("--fast-async", action=argparse.BooleanOptionalAction, default=True,
-                        help="snapshot.async_write in the fast-tier jobs")
+                        help="snapshot.durable.async_write in the fast-tier jobs")
     parser.add_argument("--fast-local-async", action=argparse.BooleanOptionalAction, default=False,
-                        help="snapshot.local_async_write in the fast-tier jobs")
+                        help="snapshot.local.async_write in the fast-tier jobs")
     parser.add_argument("--fast-dir", default="/dev/shm", help="where the fast tier lives (node-local)")
     parser.add_argument("--jobs", default=",".join(FAULTED_JOBS), help="faulted jobs, comma separated")
     parser.add_argument("--repeats", type=int, default=1, help="each repeat runs every job, the faulted ones rotated")

@@ -30,7 +30,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 JOBS = {
     "default job": ["train.log_every_steps=10"],
     "~200 MB state": ["task.factory=benchmarks._big_task:build", "train.batch_size=16", "train.max_epochs=100",
-                      "snapshot.every_steps=0", "train.log_every_steps=2", "log.plots=false"],
+                      "snapshot.durable.every_steps=0", "train.log_every_steps=2", "log.plots=false"],
 }
 COMMITTED = re.compile(r"snapshot \S+/step-(\d+) committed: (\d+) bytes in ([\d.]+)s")
 

@@ -69,7 +69,7 @@ JOBS = {
     },
     "~200 MB state": {
         "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
-                         "snapshot.every_steps=5", "train.log_every_steps=1", "log.plots=false"],
+                         "snapshot.durable.every_steps=5", "train.log_every_steps=1", "log.plots=false"],
         "textbook": ["--task", "big", "--every", "5"],
         "snapshot_step": 5, "kill_at_step": 7,
     },
@@ -77,7 +77,7 @@ JOBS = {
     # every 5; the restarted group restores the fast copy of step 7 (or 6) instead of the durable 5.
     "~200 MB state + fast tier": {
         "elastictrain": ["task.factory=benchmarks._timed_task:big", "train.batch_size=16", "train.max_epochs=100",
-                         "snapshot.every_steps=5", "snapshot.local_every_steps=1", "train.log_every_steps=1",
+                         "snapshot.durable.every_steps=5", "snapshot.local.every_steps=1", "train.log_every_steps=1",
                          "log.plots=false"],
         "fast_tier": True, "modes": ("elastictrain",),
         "snapshot_step": 5, "kill_at_step": 7,
@@ -99,7 +99,7 @@ TEXTBOOK_LINE = re.compile(r"^(?:textbook|timed-task) rank (\d+) restart (\d+) t
 
 def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
-        fast = [f"snapshot.local_url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
+        fast = [f"snapshot.local.url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
         warm = ["-m", "elastictrain.warmstart"] if job.get("warm") else []
         return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast]
     return [*TORCHRUN, str(TEXTBOOK), "--checkpoint", str(workdir / "checkpoint.pt"), *job["textbook"]]

@@ -1,8 +1,8 @@
 """What a snapshot of a ~200 MB state costs training: blocking, asynchronous, and DCP async_save.
 
 One process trains the 16.7 M-parameter MLP with Adam of ``_big_task.py`` (a ~200 MB snapshot)
-with elastictrain, in turn with snapshots off, blocking (``snapshot.async_write=false``) and in
-the background (``snapshot.async_write=true``), every ``--every`` steps to a local directory;
+with elastictrain, in turn with snapshots off, blocking (``snapshot.durable.async_write=false``) and in
+the background (``snapshot.durable.async_write=true``), every ``--every`` steps to a local directory;
 repetitions rotate the order. For each mode it reports the step time (the span between the
 forward of the first and the last step, divided by the steps: snapshots included), the time
 training was blocked per snapshot (the reports the observers get), and rank 0's resident
@@ -13,7 +13,7 @@ The amortised slow-down at one snapshot per 30 s (and per 10 s, the fast tier's 
 measured extra time per snapshot (step time with snapshots minus without, times the steps between
 snapshots) over 30 s (10 s); the last column is the blocked time alone over 10 s, which the
 step-time noise of a few percent does not hide. ``fast_tier`` and ``fast_tier_sync`` write to
-``/dev/shm`` only (``snapshot.local_url``), in the background and while training waits.
+``/dev/shm`` only (``snapshot.local.url``), in the background and while training waits.
 
     PYTHONPATH=. .venv/bin/python benchmarks/snapshot_cost.py --repeats 3
 """
@@ -38,8 +38,8 @@ from elastictrain import Trainer
 from elastictrain.events import Observer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-# fast_tier: snapshots to node memory only (snapshot.local_url under /dev/shm), in the background;
-# fast_tier_sync: the same written while training waits (snapshot.local_async_write=false).
+# fast_tier: snapshots to node memory only (snapshot.local.url under /dev/shm), in the background;
+# fast_tier_sync: the same written while training waits (snapshot.local.async_write=false).
 SHM = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
 MODES = ("off", "blocking", "async", "fast_tier", "fast_tier_sync")
 FAST_MODES = ("fast_tier", "fast_tier_sync")
@@ -68,7 +68,8 @@ def leak_check(snapshots: int, workdir: pathlib.Path) -> dict:
     Trainer.from_task(task, {
         "run": {"dir": str(run_dir)},
         "train": {"max_epochs": 1, "max_steps": snapshots, "batch_size": 32, "log_every_steps": 1000},
-        "snapshot": {"every_steps": 1, "on_done": False, "keep_last": 2, "async_write": True, "lease_stale_after_s": 0},
+        "snapshot": {"durable": {"every_steps": 1, "on_done": False, "keep_last": 2, "async_write": True,
+                                 "lease_stale_after_s": 0}},
         "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
     }, observers=[reports]).fit()
     shutil.rmtree(run_dir)
@@ -91,10 +92,11 @@ def train(mode: str, steps: int, every: int, workdir: pathlib.Path) -> dict:
     trainer = Trainer.from_task(task, {
         "run": {"dir": str(run_dir)},
         "train": {"max_epochs": 1, "batch_size": 32, "log_every_steps": 1000},
-        "snapshot": {"every_steps": every if mode in ("blocking", "async") else 0, "on_done": False, "keep_last": 2,
-                     "async_write": mode in ("async", *FAST_MODES), "lease_stale_after_s": 0,
-                     "local_url": str(SHM / f"snapshot-cost-{os.getpid()}") if mode in FAST_MODES else None,
-                     "local_async_write": mode != "fast_tier_sync", "local_every_steps": every},
+        "snapshot": {
+            "durable": {"every_steps": every if mode in ("blocking", "async") else 0, "on_done": False, "keep_last": 2,
+                        "async_write": mode in ("async", *FAST_MODES), "lease_stale_after_s": 0},
+            "local": {"url": str(SHM / f"snapshot-cost-{os.getpid()}") if mode in FAST_MODES else None,
+                      "async_write": mode != "fast_tier_sync", "every_steps": every}},
         "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
     }, observers=[reports])
     trainer.fit()

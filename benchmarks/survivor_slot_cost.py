@@ -55,7 +55,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        cfg = load_config(None, [f"snapshot.local_url={root}"])
+        cfg = load_config(None, [f"snapshot.local.url={root}"])
         ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0, round_id="r")
         progress, history, sums = Progress(), History(), WeightedSums(CPU)
         fast = Snapshotter(cfg, ctx, model, {"progress": progress, "history": history}, tier="local")

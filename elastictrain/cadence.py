@@ -3,13 +3,13 @@
 A snapshot every T seconds that costs C seconds of training, in a job that fails on average
 every M seconds, loses about C / T to snapshots and T / (2 M) to work redone after a failure.
 The sum is least at T = sqrt(2 C M) (Young 1974; Daly 2006 refines it for C close to M), where
-each part is sqrt(C / (2 M)). ``snapshot.local_every_seconds: auto`` takes both from the run:
+each part is sqrt(C / (2 M)). ``snapshot.local.every_s: auto`` takes both from the run:
 
 - C: the median cost of this node's last fast snapshots, training's wait plus the background
   write (the write's whole wall time: on busy cores it takes that much from training, on idle
   ones less, so T errs long, where the loss curve is flattest);
 - M: the run's training time over its failures so far (``failures_and_exposure``; a failure a
-  survivor copy covered does not count), with a prior ``snapshot.local_mtbf_prior_s`` (P, 1 h by
+  survivor copy covered does not count), with a prior ``snapshot.local.mtbf_prior_s`` (P, 1 h by
   default) counted as one more failure after P more seconds: M = (t + P) / (failures + 1). At the
   start of a run M is P, not the second or so trained so far, which would ask for a copy every
   few tenths of a second; each failure then moves M toward what the run measures. P = 0: no

@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train with the defaults (conf/default.yaml), a YAML file and key.sub=value overrides.",
     )
     train.add_argument("--config", help="YAML config file (default: the built-in defaults)")
-    train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="e.g. train.max_epochs=4 snapshot.url=s3://bkt/run")
+    train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="e.g. train.max_epochs=4 snapshot.durable.url=s3://bkt/run")
     train.set_defaults(run=lambda args: _train(args.config, args.overrides))
 
     store = argparse.ArgumentParser(add_help=False)

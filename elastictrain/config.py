@@ -86,45 +86,75 @@ class DataConfig(_Section):
     num_workers: NonNegativeInt = 0  # DataLoader worker processes
 
 
-class SnapshotConfig(_Section):
-    url: str | None = None  # any fsspec URL; default <run dir>/snapshots
+class DurableTierConfig(_Section):
+    # snapshot.durable: the store every node can read (a shared path or an object store), written by rank 0;
+    # every rank agrees on each write's outcome.
+    url: str | None = None  # any fsspec URL, used as given; default <run dir>/snapshots
     every_steps: NonNegativeInt = 100  # 0: off
     # 0: off; rank 0's clock, from the newest durable snapshot (or the run's first start), across restarts
-    every_seconds: NonNegativeFloat = 0.0
-    keep_last: PositiveInt = 3
-    on_done: bool = True  # write a final snapshot when training finishes
-    resume: bool = True  # restore the newest valid snapshot at start
+    every_s: NonNegativeFloat = 0.0
+    keep_last: PositiveInt = 3  # older snapshots are deleted only after a newer one is committed
+    # Write a final snapshot when training finishes (the fast tier gives its memory back then, so only this one stays).
+    on_done: bool = True
+    # Training waits only while rank 0 copies the state into reused CPU buffers; the write runs in a
+    # thread, one at a time. Costs one more copy of the model and optimizer state in rank 0's memory.
+    async_write: bool = False
     storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to fsspec; secrets are never saved or logged
     on_error: Literal["stop", "continue"] = "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
     retry_for_s: PositiveFloat = 20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
     lease_stale_after_s: NonNegativeFloat = 60.0  # another run's store lease older than this is stale; 0: no lease
-    # Training waits only while rank 0 copies the state into reused CPU buffers; the write runs in a
-    # thread, one at a time. Costs one more copy of the model and optimizer state in rank 0's memory.
-    async_write: bool = False
-    # The fast tier: a node-local path (tmpfs such as /dev/shm, or $SLURM_TMPDIR; $VARS are expanded)
-    # where each node keeps its own full copy every local_every_steps; a restart restores the newest
-    # snapshot any node or the durable store holds. None: off.
-    local_url: str | None = None
-    local_every_steps: NonNegativeInt = 0  # 0: only at durable snapshots (when local_url is set)
+
+
+class LocalTierConfig(_Section):
+    # snapshot.local, the fast tier: each node keeps its own full copies in node memory or on a node-local
+    # disk, written by the node's local rank 0; a restart restores the newest snapshot any node or the
+    # durable store holds. Unlike the durable tier it takes no storage options and no lease, a failed
+    # copy is a warning and training goes on (there is no on_error), and a path that does not answer is
+    # retried for at most min(2 s, snapshot.durable.retry_for_s).
+    # A node-local path (tmpfs such as /dev/shm, or $SLURM_TMPDIR): ~ and $VARS are expanded and the
+    # run's name appended (<url>/<run.name>). None: the fast tier is off.
+    url: str | None = None
+    every_steps: NonNegativeInt = 0  # 0: only at durable snapshots (when url is set)
     # Also every so many seconds (rank 0's clock; 0: off), or "auto": Young/Daly's interval
     # sqrt(2 x cost x time between failures), both measured in this run (elastictrain/cadence.py).
-    local_every_seconds: NonNegativeFloat | Literal["auto"] = 0.0
+    every_s: NonNegativeFloat | Literal["auto"] = 0.0
     # auto: the time between failures assumed before the run has measured it, weighted as one
     # failure's worth of evidence (0: none, the time trained so far stands in for it).
-    local_mtbf_prior_s: NonNegativeFloat = 3600.0
-    local_keep_last: PositiveInt = 2
-    # The fast tier in the background too? None: as async_write. A fast copy into tmpfs is memory
-    # bandwidth, with no disk to wait on: where the CPU cores are all busy training, a background
-    # write only competes with the step, and false costs less (benchmarks/README.md).
-    local_async_write: bool | None = None
-    # With the fast tier: when a worker dies inside a step, the node's lowest surviving rank writes a
-    # fast copy of the step before it (elastictrain/survivor.py), so the restart redoes only that step.
-    # Single-node groups, models without floating-point buffers; each rank leaves ~12 KB per step in node memory.
+    mtbf_prior_s: NonNegativeFloat = 3600.0
+    keep_last: PositiveInt = 2  # fast copies kept per node
+    # The fast copies in the background too (its own setting: durable.async_write does not change it).
+    # A copy into tmpfs is memory bandwidth, with no disk to wait on: where the CPU cores are all busy
+    # training, a background write only competes with the step, and false costs less (benchmarks/README.md).
+    async_write: bool = False
+    # When a worker dies inside a step, the node's lowest surviving rank writes a fast copy of the step
+    # before it (elastictrain/survivor.py), so the restart redoes only that step. Single-node groups,
+    # models without floating-point buffers; each rank leaves ~12 KB per step in node memory.
     survivor_copies: bool = True
+
+
+class SnapshotConfig(_Section):
+    # Settings of both tiers stay here; each tier's own settings are in its section below.
+    resume: bool = True  # restore the newest valid snapshot either tier holds at start
     # Config keys that may differ from the snapshot's on resume although they change the run's
     # data or batch geometry (run.seed, task.*, train.batch_size, train.grad_accum_steps,
     # data.shuffle); a key here also accepts every key below it.
     accept_changes: list[str] = Field(default_factory=list)
+    durable: DurableTierConfig = Field(default_factory=DurableTierConfig)
+    local: LocalTierConfig = Field(default_factory=LocalTierConfig)
+
+
+# Keys renamed when the tiers got a section each (and durations one unit style, *_s): a config
+# that still sets one is refused with a message naming its new key.
+RENAMED_KEYS = {
+    **{f"snapshot.{key}": f"snapshot.durable.{key}" for key in (
+        "url", "every_steps", "keep_last", "on_done", "async_write", "storage_options", "on_error", "retry_for_s",
+        "lease_stale_after_s")},
+    "snapshot.every_seconds": "snapshot.durable.every_s",
+    **{f"snapshot.local_{key}": f"snapshot.local.{key}" for key in (
+        "url", "every_steps", "mtbf_prior_s", "keep_last", "async_write")},
+    "snapshot.local_every_seconds": "snapshot.local.every_s",
+    "snapshot.survivor_copies": "snapshot.local.survivor_copies",
+}
 
 
 class PreemptConfig(_Section):
@@ -198,12 +228,13 @@ class Config(_Section):
     def _storage_options_need_a_remote_store(self) -> "Config":
         # An error, not a warning: options set for S3 with snapshot.url forgotten would otherwise
         # put every snapshot on this node's disk without a word.
-        if self.snapshot.storage_options and is_local_url(self.snapshot_url):
+        options = self.snapshot.durable.storage_options
+        if options and is_local_url(self.durable_snapshot_url):
             raise ValueError(
-                f"snapshot.storage_options ({', '.join(map(str, self.snapshot.storage_options))}) are ignored for "
-                f"the local path snapshot.url={self.snapshot_url!r}: they configure a remote store (credentials, "
-                "endpoint); set snapshot.url to the store they are for (e.g. s3://bucket/run) or remove them "
-                "(snapshot.storage_options={})"
+                f"snapshot.durable.storage_options ({', '.join(map(str, options))}) are ignored for the local path "
+                f"snapshot.durable.url={self.durable_snapshot_url!r}: they configure a remote store (credentials, "
+                "endpoint); set snapshot.durable.url to the store they are for (e.g. s3://bucket/run) or remove them "
+                "(snapshot.durable.storage_options={})"
             )
         return self
 
@@ -239,21 +270,23 @@ class Config(_Section):
         return self.run.dir or os.path.join("runs", self.run.name)
 
     @property
-    def snapshot_url(self) -> str:
-        return self.snapshot.url or os.path.join(self.run_dir, "snapshots")
+    def durable_snapshot_url(self) -> str:
+        """The durable tier's store: snapshot.durable.url as given, or <run dir>/snapshots."""
+        return self.snapshot.durable.url or os.path.join(self.run_dir, "snapshots")
 
     @property
     def local_snapshot_url(self) -> str | None:
         """This node's fast tier, one directory per run name; None when the tier is off."""
-        if not self.snapshot.local_url:
+        if not self.snapshot.local.url:
             return None
-        return os.path.join(os.path.expandvars(os.path.expanduser(self.snapshot.local_url)), self.run.name)
+        return os.path.join(os.path.expandvars(os.path.expanduser(self.snapshot.local.url)), self.run.name)
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """The config as plain data; ``redact=True`` hides storage secrets (for snapshots and logs)."""
         data = self.model_dump(mode="json")
         if redact:
-            data["snapshot"]["storage_options"] = redact_secrets(data["snapshot"]["storage_options"])
+            durable = data["snapshot"]["durable"]
+            durable["storage_options"] = redact_secrets(durable["storage_options"])
         return data
 
 
@@ -375,11 +408,18 @@ def _describe(error: dict[str, Any]) -> str:
     key = ".".join(path)
     if len(path) < len(loc):  # the loc went on into union members: name the key, not the member
         return f"'{key}' = {error.get('input')!r} is invalid ({_expected_type(path)})"
+    if kind == "extra_forbidden" and key in RENAMED_KEYS:
+        return f"unknown key '{key}' (renamed: use '{RENAMED_KEYS[key]}')"
     if kind == "extra_forbidden":
         valid = _fields_at(path[:-1])
-        close = difflib.get_close_matches(path[-1], valid, n=1)
+        in_seconds = path[-1].replace("_seconds", "_s")  # every duration key ends in _s
+        close = [in_seconds] if in_seconds in valid else difflib.get_close_matches(path[-1], valid, n=1)
         hint = f"did you mean '{'.'.join(path[:-1] + close)}'?" if close else f"valid keys here: {', '.join(valid)}"
         return f"unknown key '{key}' ({hint})"
+    section = _model_at(path)
+    if kind == "model_type" and section is not None:  # e.g. snapshot.local=/dev/shm
+        return (f"'{key}' = {error.get('input')!r} is invalid: it is a section, not a value; set its keys "
+                f"({', '.join(section.model_fields)}), e.g. {key}.{next(iter(section.model_fields))}=...")
     expected = _expected_type(path)
     if kind == "missing":
         return f"'{key}' is required ({expected}) but missing"

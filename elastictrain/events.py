@@ -58,7 +58,7 @@ class SnapshotReport:
     size_bytes: int = 0
     error: str | None = None  # one line, when not committed
     write_s: float = 0.0  # an asynchronous snapshot's write in the background (0: written while training waited)
-    tier: str = "durable"  # or "local": a node's fast copy (snapshot.local_url), reported on each node's writer
+    tier: str = "durable"  # or "local": a node's fast copy (snapshot.local.url), reported on each node's writer
 
 
 class Observer:

@@ -164,5 +164,5 @@ class StoreLease:
             f"snapshot store {self.client.url} is in use: run {record.get('run_id')} (host {record.get('host')}, "
             f"pid {record.get('pid')}, last renewed {age}) {how}, and two runs must not write one store; wait for "
             f"it to finish (its lease goes stale {stale_after_s:g} s after its last renewal), use another "
-            "snapshot.url, or set snapshot.lease_stale_after_s=0 to disable the lease"
+            "snapshot.durable.url, or set snapshot.durable.lease_stale_after_s=0 to disable the lease"
         )

@@ -29,7 +29,7 @@ class LeaseKeeper:
 
     def __init__(self, store: SnapshotStore, cfg: Config, ctx: DistContext) -> None:
         self.store = store
-        self.stale_after_s = cfg.snapshot.lease_stale_after_s
+        self.stale_after_s = cfg.snapshot.durable.lease_stale_after_s
         self.owner = {
             "run_id": f"{cfg.run.name} ({ctx.env.launcher} {ctx.env.run_id})",
             "token": job_token(ctx),

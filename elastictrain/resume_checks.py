@@ -46,9 +46,9 @@ def check_config(cfg: Config, train_samples: int | None, saved: dict[str, Any], 
 def start_fresh_advice(cfg: Config) -> str:
     """How to start this run over beside its snapshots: the key that gives it an empty store (snapshot.resume=false
     is refused while the store holds any)."""
-    if cfg.snapshot.url:
-        return f"start fresh with snapshot.url set to an empty location (it is {cfg.snapshot.url})"
-    return f"start fresh with another {'run.dir' if cfg.run.dir else 'run.name'} (snapshots go to {cfg.snapshot_url})"
+    if cfg.snapshot.durable.url:
+        return f"start fresh with snapshot.durable.url set to an empty location (it is {cfg.snapshot.durable.url})"
+    return f"start fresh with another {'run.dir' if cfg.run.dir else 'run.name'} (snapshots go to {cfg.durable_snapshot_url})"
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

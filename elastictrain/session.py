@@ -133,10 +133,10 @@ class Session:
         # log.jsonl once the process group is up: a run.dir it cannot write to is recorded for the restarts, which stop at once.
         setup_logging(launch.rank, launch.restart_count, self.cfg.log, run_dir=self.cfg.run_dir)
         self.machine.log_transitions = self.ctx.is_main
-        if self.ctx.distributed and self.cfg.snapshot.retry_for_s >= self.cfg.dist.collective_timeout_s:
+        if self.ctx.distributed and self.cfg.snapshot.durable.retry_for_s >= self.cfg.dist.collective_timeout_s:
             # The other ranks wait for rank 0's commit in one collective.
             raise ConfigError(
-                f"snapshot.retry_for_s={self.cfg.snapshot.retry_for_s:g} must be below dist.collective_timeout_s="
+                f"snapshot.durable.retry_for_s={self.cfg.snapshot.durable.retry_for_s:g} must be below dist.collective_timeout_s="
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
         self.health.attach(self.ctx, self.events)
@@ -205,8 +205,8 @@ class Session:
             pending_sums=self.metrics.sums.pending, survivors_refused=survivors_refused)
         self.plan = Plan(
             self.cfg.train.max_epochs if data else 2**62, self.cfg.train.max_steps, self.cfg.train.eval_every_epochs,
-            self._evaluate is not None, self.cfg.snapshot.every_steps, self.cfg.snapshot.on_done,
-            self.cfg.snapshot.local_every_steps if self.tiers.local else 0,
+            self._evaluate is not None, self.cfg.snapshot.durable.every_steps, self.cfg.snapshot.durable.on_done,
+            self.cfg.snapshot.local.every_steps if self.tiers.local else 0,
         )
         ctx = self.ctx
         self.events.started(RunInfo(

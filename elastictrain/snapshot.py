@@ -232,7 +232,7 @@ def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu
 
 
 def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str,
-                       start_fresh: str = "start fresh with snapshot.url set to an empty location") -> None:
+                       start_fresh: str = "start fresh with snapshot.durable.url set to an empty location") -> None:
     """Load weights strictly; a different model is one clear error naming the differences and ``start_fresh``."""
     own = model.state_dict()
     missing = sorted(set(own) - set(weights))
@@ -249,7 +249,7 @@ def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where
             if items
         ]
         raise SnapshotError(
-            f"{where} was saved from a different model ({'; '.join(parts)}); point snapshot.url at this "
+            f"{where} was saved from a different model ({'; '.join(parts)}); point snapshot.durable.url at this "
             f"model's snapshots, or {start_fresh} — nothing was deleted"
         )
     model.load_state_dict(weights)

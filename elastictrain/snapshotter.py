@@ -7,12 +7,12 @@ snapshot exists and whether training goes on. Restoring has rank 0 read and veri
 valid snapshot and hand its bytes to every rank, so every rank loads the very same one
 (``restore.py``, after the checks of ``resume_checks.py``).
 
-A store that cannot be reached is retried by the store (with backoff, ``snapshot.retry_for_s``)
+A store that cannot be reached is retried by the store (with backoff, ``snapshot.durable.retry_for_s``)
 and then given up *for this snapshot only*: training goes on, one warning says since when
 snapshots are behind, and the next interval tries again. A write that fails for good (disk
-full, permission denied) stops the run cleanly by default (``snapshot.on_error``).
+full, permission denied) stops the run cleanly by default (``snapshot.durable.on_error``).
 
-Its helpers, each a module: ``background_write.py`` (``snapshot.async_write``: one write in
+Its helpers, each a module: ``background_write.py`` (``snapshot.durable.async_write``: one write in
 flight on a thread) and ``lease_keeper.py`` (rank 0 holds the durable store's lease). It imports
 nothing of the loop: the loop hands it the objects to save.
 """
@@ -52,17 +52,18 @@ class Snapshotter:
                  train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None,
                  tier: str = "durable") -> None:
         self.cfg = cfg
-        # "durable": rank 0 writes snapshot.url and every rank agrees on the outcome. "local": the
+        # "durable": rank 0 writes snapshot.durable.url and every rank agrees on the outcome. "local": the
         # fast tier, where each node's local rank 0 keeps its own full copy (the state is the same
         # on every rank under DDP, and every rank's RNG is gathered to each writer); a failed fast
         # copy is a warning, never a stop.
         self.tier = tier
         if tier == "durable":
-            url, options, retry_for_s = cfg.snapshot_url, cfg.snapshot.storage_options, cfg.snapshot.retry_for_s
-            self.keep_last, self.on_error, self.is_writer = cfg.snapshot.keep_last, cfg.snapshot.on_error, ctx.is_main
-        else:
-            url, options, retry_for_s = cfg.local_snapshot_url, {}, min(2.0, cfg.snapshot.retry_for_s)
-            self.keep_last, self.on_error, self.is_writer = cfg.snapshot.local_keep_last, "continue", ctx.env.local_rank == 0
+            durable = cfg.snapshot.durable
+            url, options, retry_for_s = cfg.durable_snapshot_url, durable.storage_options, durable.retry_for_s
+            self.keep_last, self.on_error, self.is_writer = durable.keep_last, durable.on_error, ctx.is_main
+        else:  # no storage options, no on_error (a fast copy never stops the run), a short retry: config.LocalTierConfig
+            url, options, retry_for_s = cfg.local_snapshot_url, {}, min(2.0, cfg.snapshot.durable.retry_for_s)
+            self.keep_last, self.on_error, self.is_writer = cfg.snapshot.local.keep_last, "continue", ctx.env.local_rank == 0
         self._size_checked = False
         self._run_name_dir: str | None = None  # the fast tier's directory of run.name, once joined to the run (join_run)
         # Statefuls whose state differs per rank (a stream's position), saved as one entry per rank.
@@ -73,13 +74,12 @@ class Snapshotter:
         self.statefuls = statefuls
         self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,
                                    recycle_keep_last=self.keep_last if tier == "local" else 0,
-                                   url_key="snapshot.url" if tier == "durable" else "snapshot.local_url")
+                                   url_key="snapshot.durable.url" if tier == "durable" else "snapshot.local.url")
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
-        # snapshot.async_write (the fast tier: local_async_write): stage into reused buffers, write in a thread, one at a time.
-        local_async = cfg.snapshot.local_async_write
-        self.asynchronous = cfg.snapshot.async_write if tier == "durable" or local_async is None else local_async
+        # snapshot.durable.async_write, snapshot.local.async_write: stage into reused buffers, write in a thread, one at a time.
+        self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
         self._writes = BackgroundWrites(tier)
 
@@ -131,12 +131,12 @@ class Snapshotter:
         try:
             self.store.check_writable()
         except StorageError as exc:
-            return (f"snapshot.local_url={self.cfg.snapshot.local_url} cannot be used on this node: {exc} (or set "
-                    "snapshot.local_url=null to train without the fast tier) — nothing saved is lost")
+            return (f"snapshot.local.url={self.cfg.snapshot.local.url} cannot be used on this node: {exc} (or set "
+                    "snapshot.local.url=null to train without the fast tier) — nothing saved is lost")
         for other in _other_runs_copies(base, run_id):
             log.warning("skipping the node-local copies in %s: they belong to another run of this run.name (not to the "
                         "durable store %s) and are never restored here; remove that directory to give its memory back",
-                        other, self.cfg.snapshot_url)
+                        other, self.cfg.durable_snapshot_url)
         return None
 
     def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
@@ -160,7 +160,7 @@ class Snapshotter:
             if self._run_name_dir is not None:
                 with contextlib.suppress(OSError):  # the run.name's directory, once no run's copies are left in it
                     os.rmdir(self._run_name_dir)
-                root = os.path.dirname(self._run_name_dir)  # snapshot.local_url itself, once empty (never a mount point)
+                root = os.path.dirname(self._run_name_dir)  # snapshot.local.url itself, once empty (never a mount point)
                 if not os.path.ismount(root):
                     with contextlib.suppress(OSError):
                         os.rmdir(root)
@@ -172,7 +172,7 @@ class Snapshotter:
     def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport | None:
         """Take a snapshot of this step on every rank; every rank returns the same report or raises the same error.
 
-        Written in the background (``snapshot.async_write``), it returns None: the report comes
+        Written in the background (``snapshot.durable.async_write``), it returns None: the report comes
         from ``poll`` once the write is done, and ``flush`` waits for it.
         """
         started = time.monotonic()
@@ -252,7 +252,7 @@ class Snapshotter:
             return None
         return (f"the node-local snapshot tier {self.store.url} needs about {needed / 1e6:.0f} MB "
                 f"({self.keep_last} kept + 1 being written, {state_bytes / 1e6:.0f} MB each) but {path} has "
-                f"{free / 1e6:.0f} MB free; lower snapshot.local_keep_last, point snapshot.local_url at a larger "
+                f"{free / 1e6:.0f} MB free; lower snapshot.local.keep_last, point snapshot.local.url at a larger "
                 "node-local path, or set it to null — the durable snapshots are untouched")
 
     # -- asynchronous writes: stage at the step boundary, write in the background ----------
@@ -343,7 +343,7 @@ class Snapshotter:
             last = (f"the newest committed one is step {last_step} from {time.strftime('%H:%M:%S', time.localtime(last_unix))}, "
                     f"{time.time() - last_unix:.0f} s ago")
         if stop:
-            return (f"snapshot at step {step} failed: {exc}; stopping (snapshot.on_error=stop); {last}; "
+            return (f"snapshot at step {step} failed: {exc}; stopping (snapshot.durable.on_error=stop); {last}; "
                     "the next launch resumes from it")
         log.warning("snapshot at step %d not committed (%s); snapshots are behind since step %d: %s; training goes on "
                     "and the next snapshot interval tries again", step, exc, self._behind_since[0], last)
@@ -367,7 +367,7 @@ class Snapshotter:
 
     def close(self) -> None:
         # Leaving for any reason: a snapshot half written would be lost.
-        self._writes.abandon(timeout_s=max(60.0, 3 * self.cfg.snapshot.retry_for_s))
+        self._writes.abandon(timeout_s=max(60.0, 3 * self.cfg.snapshot.durable.retry_for_s))
         if self._lease is not None:
             self._lease.stop()
             self._lease = None

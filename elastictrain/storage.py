@@ -33,7 +33,7 @@ class SnapshotStore:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 recycle_keep_last: int = 0, url_key: str = "snapshot.url"):
+                 recycle_keep_last: int = 0, url_key: str = "snapshot.durable.url"):
         self.client = StoreClient(url, storage_options, retry_for_s=retry_for_s, url_key=url_key)
         self.catalog = Catalog(self.client)
         self.committer = Committer(self.client, self.catalog, recycle_keep_last)

@@ -67,7 +67,7 @@ class StoreClient:
     """Calls on one fsspec URL: each public operation one retry budget, its failures one line naming the store."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 url_key: str = "snapshot.url"):
+                 url_key: str = "snapshot.durable.url"):
         self.url = url
         self.url_key = url_key  # the config key that set the URL: messages tell the user to change that one
         self.retry_for_s = float(retry_for_s)
@@ -146,7 +146,7 @@ class StoreClient:
         if is_unavailable(exc):
             message = (
                 f"{failure}: the store did not answer for {elapsed_s:.1f} s (retried with backoff for up to "
-                f"snapshot.retry_for_s={self.retry_for_s:g} s; last error {detail}); check that {self._endpoint_words()} "
+                f"snapshot.durable.retry_for_s={self.retry_for_s:g} s; last error {detail}); check that {self._endpoint_words()} "
                 "is up and reachable; it may come back"
             )
             return StorageUnavailable(self.scrub(message))
@@ -155,19 +155,19 @@ class StoreClient:
         if code in CREDENTIAL_CODES:
             message = (
                 f"{failure}: {self._endpoint_words()} refused the credentials ({code}); check key/secret in "
-                "snapshot.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                "snapshot.durable.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
             return StorageError(self.scrub(message))
         if code in ("AccessDenied", "403") or (self.is_s3 and status == 403):
             message = (
                 f"{failure}: {self._endpoint_words()} refused access ({code or status}): the credentials are wrong or "
-                "lack permission on this bucket; check key/secret in snapshot.storage_options or "
+                "lack permission on this bucket; check key/secret in snapshot.durable.storage_options or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy"
             )
             return StorageError(self.scrub(message))
         if any(type(item).__name__ in ("NoCredentialsError", "PartialCredentialsError") for item in causes(exc)):
             message = (
-                f"{failure}: no S3 credentials found; set key/secret in snapshot.storage_options or "
+                f"{failure}: no S3 credentials found; set key/secret in snapshot.durable.storage_options or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
             return StorageError(self.scrub(message))
@@ -178,7 +178,7 @@ class StoreClient:
 
     def _missing_bucket_message(self) -> str:
         return (
-            f"bucket '{self.bucket}' does not exist at endpoint {self._endpoint}; create it or fix snapshot.url "
+            f"bucket '{self.bucket}' does not exist at endpoint {self._endpoint}; create it or fix snapshot.durable.url "
             f"(now {self.url})"
         )
 

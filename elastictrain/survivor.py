@@ -143,7 +143,7 @@ class SurvivorCopies:
     def applies(fast: Snapshotter | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
         """None when survivor copies can work here, else why not (logged once by the caller)."""
         if fast is None:
-            return "there is no fast tier (snapshot.local_url)"
+            return "there is no fast tier (snapshot.local.url)"
         if world_size < 2:
             return "a single worker has no survivor"
         if local_world_size is None:

@@ -1,8 +1,8 @@
 """The two snapshot tiers as one object: the durable store, the node-local fast copies, their
 timers, survivor copies, and the background writes they report, flush and close.
 
-The durable tier (``snapshot.url``) is written by rank 0 and is the run's record; the fast tier
-(``snapshot.local_url``) keeps a full copy on each node, restored from first when it is the
+The durable tier (``snapshot.durable.url``) is written by rank 0 and is the run's record; the fast tier
+(``snapshot.local.url``) keeps a full copy on each node, restored from first when it is the
 newest. A durable snapshot is a fast one too, so that restarts read memory. Which step takes which
 tier is ``decide``'s (loop.py); this object only carries it out.
 """
@@ -36,21 +36,21 @@ class SnapshotTiers:
         self.durable = Snapshotter(cfg, ctx, model, statefuls, train_samples=train_samples, rank_statefuls=rank_statefuls)
         self.local = Snapshotter(cfg, ctx, model, statefuls, train_samples, rank_statefuls,
                                  tier="local") if cfg.local_snapshot_url else None
-        # Rank 0's clock for timed fast copies (snapshot.local_every_seconds); the vote carries it to every rank.
-        timer = FastTierTimer(cfg.snapshot.local_every_seconds, prior_mtbf_s=cfg.snapshot.local_mtbf_prior_s)
+        # Rank 0's clock for timed fast copies (snapshot.local.every_s); the vote carries it to every rank.
+        timer = FastTierTimer(cfg.snapshot.local.every_s, prior_mtbf_s=cfg.snapshot.local.mtbf_prior_s)
         self.fast_timer: FastTierTimer | None = None
         if self.local is not None and ctx.is_main and timer.enabled:
             self.fast_timer = timer
             events.add(timer)
         self.survivors: SurvivorCopies | None = None
-        if self.local is not None and cfg.snapshot.survivor_copies:
+        if self.local is not None and cfg.snapshot.local.survivor_copies:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None  # torchrun's
             why_not = survivors_refused or SurvivorCopies.applies(self.local, model, ctx.world_size, local_world)
             if why_not is None:
                 self.survivors = SurvivorCopies(self.local, ctx.world_size, ctx.round_id, state.progress,
                                                 state.history, self.durable.rank_state, pending_sums)
             elif ctx.is_main:
-                log.info("no survivor copies (snapshot.survivor_copies): %s", why_not)
+                log.info("no survivor copies (snapshot.local.survivor_copies): %s", why_not)
         self._last_durable = time.monotonic()
 
     @property
@@ -71,7 +71,7 @@ class SnapshotTiers:
 
     def begin(self, started_unix: float) -> None:
         """After RESTORE: start the timers from the run's record; open the survivor slots (a fresh start cleared them)."""
-        # snapshot.every_seconds counts from the durable store's newest snapshot (the run's first start
+        # snapshot.durable.every_s counts from the durable store's newest snapshot (the run's first start
         # while it has none), not from this attempt: a job failing more often still gets durable snapshots.
         durable = self.durable.last_committed
         since_unix = durable[1] if durable else self.state.run_log.attempts[0].get("started_unix", started_unix)
@@ -82,8 +82,8 @@ class SnapshotTiers:
             self.survivors.open()
 
     def durable_due(self) -> bool:
-        """Rank 0's snapshot.every_seconds timer."""
-        every_s = self.cfg.snapshot.every_seconds
+        """Rank 0's snapshot.durable.every_s timer."""
+        every_s = self.cfg.snapshot.durable.every_s
         return self.ctx.is_main and every_s > 0 and time.monotonic() - self._last_durable >= every_s
 
     def local_due(self) -> bool:

@@ -35,9 +35,9 @@ class Requests:
     """What the ranks asked for, OR-ed over ranks."""
 
     preempt: bool = False  # a preemption signal reached some rank
-    snapshot: bool = False  # rank 0's snapshot.every_seconds timer fired
+    snapshot: bool = False  # rank 0's snapshot.durable.every_s timer fired
     snapshot_failed: bool = False  # rank 0's background snapshot write failed for good: every rank stops
-    local_snapshot: bool = False  # rank 0's fast-tier timer fired (snapshot.local_every_seconds)
+    local_snapshot: bool = False  # rank 0's fast-tier timer fired (snapshot.local.every_s)
 
     def __or__(self, other: "Requests") -> "Requests":
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})

@@ -64,7 +64,7 @@ class WatchdogSettings:
     first_step_s: float = 600.0  # until the attempt's first step is done: warm-up, compilation, data workers
     restore_s: float = 600.0  # RESTORE: reading, verifying and broadcasting the snapshot (retries included)
     evaluate_s: float = 1800.0  # one whole EVALUATE state: it has no step marks inside
-    snapshot_s: float = 600.0  # one SNAPSHOT: writes retried for snapshot.retry_for_s per operation, on S3
+    snapshot_s: float = 600.0  # one SNAPSHOT: writes retried for snapshot.durable.retry_for_s per operation, on S3
     heartbeat_every_s: float = 1.0  # heartbeat publication and self-check period
 
     @property

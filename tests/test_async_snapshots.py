@@ -1,4 +1,4 @@
-"""Snapshots written in the background (snapshot.async_write): the same bytes as a blocking
+"""Snapshots written in the background (snapshot.durable.async_write): the same bytes as a blocking
 snapshot of the same step, training goes on during the write, and a failed write stops the run
 at the next step instead of being lost."""
 
@@ -31,7 +31,7 @@ class Reports(Observer):
 def run(url: str, async_write: bool, **snapshot) -> Trainer:
     seed_everything(0)
     cfg = config(url)
-    cfg["snapshot"].update({"keep_last": 100, "async_write": async_write, **snapshot})
+    cfg["snapshot"]["durable"].update({"keep_last": 100, "async_write": async_write, **snapshot})
     trainer = Trainer.from_task(spirals.build(**SMALL), cfg)
     trainer.fit()
     return trainer
@@ -81,7 +81,7 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     url = memory_url()
     seed_everything(0)
     cfg = config(url)
-    cfg["snapshot"].update({"keep_last": 100, "async_write": True})
+    cfg["snapshot"]["durable"].update({"keep_last": 100, "async_write": True})
     reports = Reports()
     background = Trainer.from_task(spirals.build(**SMALL), cfg, observers=[reports])
     trainer_ref.append(background)
@@ -111,7 +111,7 @@ def test_a_background_write_that_fails_for_good_stops_the_run_at_the_next_step(m
     url = memory_url()
     seed_everything(0)
     cfg = config(url)
-    cfg["snapshot"].update({"async_write": True})
+    cfg["snapshot"]["durable"].update({"async_write": True})
     trainer = Trainer.from_task(spirals.build(**SMALL), cfg)
     with pytest.raises(StorageError, match="no space left on device"):
         trainer.fit()
@@ -130,7 +130,7 @@ def test_a_crash_of_the_background_writer_reaches_the_training_thread_with_its_t
     monkeypatch.setattr(snapshotter_module, "writer_for", broken)
     seed_everything(0)
     cfg = config(memory_url())
-    cfg["snapshot"].update({"async_write": True})
+    cfg["snapshot"]["durable"].update({"async_write": True})
     trainer = Trainer.from_task(spirals.build(**SMALL), cfg)
     with pytest.raises(ZeroDivisionError, match="a bug in the writer"):
         trainer.fit()

@@ -105,7 +105,7 @@ def test_auto_before_any_failure_grows_with_the_time_trained():
 
 
 def test_auto_starts_from_the_prior_and_moves_toward_the_measured_failure_rate():
-    """snapshot.local_mtbf_prior_s: after 1 s of training and 35 ms copies, not a copy every 0.26 s."""
+    """snapshot.local.mtbf_prior_s: after 1 s of training and 35 ms copies, not a copy every 0.26 s."""
     clock = Clock()
     timer = FastTierTimer("auto", clock, prior_mtbf_s=3600.0)
     timer.begin([attempt(0.0)])

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from elastictrain.config import Config, load_config
+from elastictrain.config import RENAMED_KEYS, Config, _model_at, load_config
 from elastictrain.errors import ConfigError
 from tests.conftest import python_command
 
@@ -23,12 +25,12 @@ def test_conf_default_yaml_is_the_schema_defaults():
 
 def test_overrides_are_typed_and_nested(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  batch_size: 8\nsnapshot:\n  url: memory://a\n")
+    path.write_text("train:\n  batch_size: 8\nsnapshot:\n  durable:\n    url: memory://a\n")
     cfg = load_config(path, ["train.batch_size=16", "dist.distributed=false", "task.args.hidden=32", "train.max_steps=null"])
     assert cfg.train.batch_size == 16 and cfg.dist.distributed is False
     assert cfg.task.args == {"hidden": 32} and cfg.train.max_steps is None
-    assert cfg.snapshot_url == "memory://a"
-    assert load_config(None, ["run.name=x"]).snapshot_url == str(Path("runs") / "x" / "snapshots")
+    assert cfg.durable_snapshot_url == "memory://a"
+    assert load_config(None, ["run.name=x"]).durable_snapshot_url == str(Path("runs") / "x" / "snapshots")
 
 
 @pytest.mark.parametrize(
@@ -44,6 +46,10 @@ def test_overrides_are_typed_and_nested(tmp_path):
          "'SIGTERM', 'SIGINT', 'SIGUSR1', 'SIGUSR2', 'SIGHUP')"),
         (["train"], "not of the form key.sub=value"),
         (["train.batch_size=3", "train.batch_size.x=1"], "train.batch_size is a value, not a section"),
+        (["snapshot.local=/dev/shm"], "'snapshot.local' = '/dev/shm' is invalid: it is a section, not a value; set its "
+         "keys (url, every_steps, every_s, mtbf_prior_s, keep_last, async_write, survivor_copies), e.g. snapshot.local.url=..."),
+        (["snapshot.durable.every_seconds=60"], "unknown key 'snapshot.durable.every_seconds' (did you mean "
+         "'snapshot.durable.every_s'?)"),
     ],
 )
 def test_bad_values_are_one_clear_message(overrides, expected):
@@ -78,6 +84,7 @@ def test_unreadable_files_are_clear(tmp_path):
         (["task.factory=no_such_module:build"], "cannot import 'no_such_module'"),
         (["task.factory=elastictrain.tasks.spirals:nope"], "has no function 'nope'"),
         (["task.args.no_such_arg=1"], "task.args do not fit elastictrain.tasks.spirals:build"),
+        (["snapshot.local_url=/dev/shm"], "unknown key 'snapshot.local_url' (renamed: use 'snapshot.local.url')"),
     ],
 )
 def test_cli_prints_one_line_and_exits_non_zero_without_traceback(tmp_path, args, expected):
@@ -104,10 +111,51 @@ def test_config_is_a_typed_tree():
      ("s3://bucket/run", False), ("memory://x", False), ("simplecache::s3://bucket/run", False)],
 )
 def test_storage_options_are_refused_only_where_fsspec_would_ignore_them(url, local):
-    overrides = ["snapshot.storage_options.endpoint_url=http://127.0.0.1:9000", *([f"snapshot.url={url}"] if url else [])]
+    overrides = ["snapshot.durable.storage_options.endpoint_url=http://127.0.0.1:9000", *([f"snapshot.durable.url={url}"] if url else [])]
     if local:
-        with pytest.raises(ConfigError, match=r"snapshot.storage_options \(endpoint_url\) are ignored for the local path"):
+        with pytest.raises(ConfigError, match=r"snapshot.durable.storage_options \(endpoint_url\) are ignored for the local path"):
             load_config(None, overrides)
     else:
-        assert load_config(None, overrides).snapshot.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
-    assert load_config(None, overrides[1:]).snapshot.storage_options == {}  # no options: any URL
+        assert load_config(None, overrides).snapshot.durable.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert load_config(None, overrides[1:]).snapshot.durable.storage_options == {}  # no options: any URL
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED_KEYS.items()))
+def test_a_key_from_before_the_tier_sections_is_refused_naming_its_new_key(tmp_path, old, new):
+    section, key = new.rsplit(".", 1)
+    assert key in _model_at(section.split(".")).model_fields
+    value = load_config().model_dump()
+    for part in new.split("."):
+        value = value[part]
+    as_text = json.dumps(value)  # JSON is YAML: the default's value, valid under the new key
+    assert load_config(None, [f"{new}={as_text}"]) == load_config()
+    refusal = f"unknown key '{old}' (renamed: use '{new}')"
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [f"{old}={as_text}"])
+    assert str(caught.value) == f"invalid config (defaults + overrides): {refusal}"
+    path = tmp_path / "old.yaml"  # the same key in a YAML file
+    path.write_text(yaml.safe_dump({"snapshot": {old.split(".", 1)[1]: value}}))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"invalid config ({path}): {refusal}"
+
+
+# Floats that are not durations; every other float key is one, in seconds, and its name ends in _s.
+NOT_DURATIONS = {"train.clip_grad_norm", "watchdog.step_multiple", "stragglers.factor"}
+
+
+def _leaves(model, prefix=""):
+    for name, field in model.model_fields.items():
+        inner = _model_at((prefix + name).split("."))
+        yield from _leaves(inner, f"{prefix}{name}.") if inner is not None else [(prefix + name, field)]
+
+
+def _takes_floats(annotation) -> bool:
+    return annotation is float or any(_takes_floats(arg) for arg in typing.get_args(annotation))
+
+
+def test_every_duration_key_is_in_seconds_and_ends_in_s():
+    durations = [key for key, field in _leaves(Config) if _takes_floats(field.annotation) and key not in NOT_DURATIONS]
+    assert "snapshot.local.every_s" in durations and "watchdog.hang_timeout_s" in durations
+    assert [key for key in durations if not key.endswith("_s")] == []
+    assert [key for key, _ in _leaves(Config) if any(word in key for word in ("second", "_ms", "minute", "hour"))] == []

@@ -127,8 +127,8 @@ def test_config_reference_hook_reads_every_kind_of_description_and_walks_sub_sec
 
 
 def test_every_config_key_the_docs_name_exists():
-    """A key named in prose (`snapshot.keep_last`, `train.scale_lr=true`) must be one the schema has, so a renamed key cannot
-    leave the guides behind. Free-form mappings (task.args, snapshot.storage_options) take any key below them."""
+    """A key named in prose (`snapshot.durable.keep_last`, `train.scale_lr=true`) must be one the schema has, so a renamed key cannot
+    leave the guides behind. Free-form mappings (task.args, snapshot.durable.storage_options) take any key below them."""
     valid = set()
     for key in _leaf_keys(Config().model_dump(mode="json")):
         parts = key.split(".")

@@ -47,7 +47,7 @@ JOB = [
     f"train.max_epochs={EPOCHS}",
     "train.batch_size=16",
     "train.log_every_steps=10",
-    f"snapshot.every_steps={SNAPSHOT_EVERY}",
+    f"snapshot.durable.every_steps={SNAPSHOT_EVERY}",
     "log.plots=false",
 ]
 # Tests need no 30 s waits: a lost node is declared dead 4 s after its last heartbeat (one a second), and a
@@ -198,7 +198,7 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     (tmp_path / "trace").mkdir()
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
                  f"task.args.pauses=[[0,{KILL_STEP}]]",
-                 f"snapshot.local_url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local_every_steps=5"]
+                 f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local.every_steps=5"]
     nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)

@@ -203,7 +203,7 @@ def test_pod_command_line_trains_as_two_pods(path, tmp_path):
     assert codes == [0, 0], output[-4000:]
     summary = parse_job(output).summary
     assert (summary["state"], summary["step"], summary["world_size"]) == ("DONE", str(STEPS), "2")
-    assert (tmp_path / "snapshots").is_dir(), "snapshot.url=$(SNAPSHOT_URL) must reach elastictrain"
+    assert (tmp_path / "snapshots").is_dir(), "snapshot.durable.url=$(SNAPSHOT_URL) must reach elastictrain"
     assert all(pod.leftover_pids() == [] for pod in pods)
 
 

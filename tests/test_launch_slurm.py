@@ -28,7 +28,7 @@ ONE_NODE_CPU = REPO_ROOT / "launch" / "slurm" / "one_node_cpu.sbatch"
 JOB_TIMEOUT_S = 120
 WORLD_SIZE = 2
 # The default job, shortened; log every 10 steps so a preemption can be aimed mid-run.
-OVERRIDES = ["train.max_epochs=2", "train.log_every_steps=10", "snapshot.every_steps=50"]
+OVERRIDES = ["train.max_epochs=2", "train.log_every_steps=10", "snapshot.durable.every_steps=50"]
 # The template asks for 2 nodes x 8 GPUs; this cluster is one node with 2 CPUs. sbatch's
 # options override the template's #SBATCH lines; nothing in the file is edited.
 ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]

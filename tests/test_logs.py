@@ -14,7 +14,7 @@ def test_lines_carry_rank_attempt_milliseconds_and_throughput_and_rank0_writes_j
     seed_everything(0)
     Trainer.from_task(spirals.build(train_samples=512, val_samples=128, hidden=16), {
         "run": {"dir": str(tmp_path / "run")},
-        "snapshot": {"url": f"memory://logs/{uuid.uuid4().hex}", "every_steps": 10},
+        "snapshot": {"durable": {"url": f"memory://logs/{uuid.uuid4().hex}", "every_steps": 10}},
         "train": {"max_epochs": 1, "batch_size": 16, "log_every_steps": 8},
         "log": {"progress_bar": False, "plots": False, "jsonl": True},
     }).fit()

@@ -42,7 +42,7 @@ def test_main_job_learns_and_snapshots_along_the_way(tmp_path):
 def single_process(tmp_path: Path, extra: list[str]) -> list[str]:
     return python_command([
         "task.factory=tests.helpers.tasks:build", f"task.args.trace_dir={tmp_path / 'trace'}",
-        f"run.dir={tmp_path / 'run'}", "train.max_epochs=2", "snapshot.every_steps=20",
+        f"run.dir={tmp_path / 'run'}", "train.max_epochs=2", "snapshot.durable.every_steps=20",
         "log.plots=false", *extra,
     ])
 

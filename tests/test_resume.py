@@ -76,13 +76,13 @@ def test_sigkill_worker_resumes_bitwise(tmp_path, reference, kill_rank, kill_ste
 
 
 def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bitwise(tmp_path, reference):
-    """The fast tier (snapshot.local_url) with snapshot.local_every_seconds=auto: rank 0's timer,
+    """The fast tier (snapshot.local.url) with snapshot.local.every_s=auto: rank 0's timer,
     carried by the vote, takes copies at steps every rank agrees on (no step interval and no durable
     snapshot before the kill). Rank 0, the node's writer, is killed; its copy in memory is restored."""
     ref_result, ref_traces, _ = reference
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=0", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
-                                       "snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}",
-                                       "snapshot.local_every_seconds=auto", "snapshot.survivor_copies=false"])
+                                       "snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}",
+                                       "snapshot.local.every_s=auto", "snapshot.local.survivor_copies=false"])
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
@@ -108,7 +108,7 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
     ref_result, ref_traces, _ = reference
     kill_step = 138
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", f"task.args.pause_at_step={kill_step}",
-                                       "snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}"])
+                                       "snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}"])
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
@@ -129,7 +129,7 @@ def test_a_worker_killed_in_the_optimizer_step_its_peer_finishes_is_covered_by_a
     ref_result, ref_traces, _ = reference
     failpoints = tmp_path / "failpoints"
     failpoints.mkdir()
-    job = launch_job(tmp_path, "job", ["snapshot.every_steps=0", f"snapshot.local_url={tmp_path / 'shm'}"],
+    job = launch_job(tmp_path, "job", ["snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}"],
                      env={"ELASTICTRAIN_FAILPOINT": f"optimizer-step@138:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
     pid = int(procs.wait_for_file(failpoints / "failpoint-optimizer-step.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
@@ -219,7 +219,7 @@ def test_restore_one_worker_snapshot_into_two_workers(tmp_path):
     The run's global batch (16) cannot be split over 2 ranks of 16: one line says so, and with
     train.on_world_size_change=keep_rank_batch the global batch becomes 32.
     """
-    single = launch_job(tmp_path, "single", ["train.max_steps=95", "snapshot.every_steps=5"], single_process=True)
+    single = launch_job(tmp_path, "single", ["train.max_steps=95", "snapshot.durable.every_steps=5"], single_process=True)
     assert single.wait(TIMEOUT_S) == 0, single.output()[-4000:]
     assert parse_job(single.output()).summary["step"] == "95"  # sample 1520 of 1536 in epoch 0
 

@@ -1,7 +1,7 @@
 """A node-local copy belongs to exactly one run: the one whose durable store holds its id.
 
 Under real torchrun: run A is crashed with the fast tier on (a real SIGKILL; its survivor copy
-stays in node memory), then run B starts with the same run.name and local_url but a durable
+stays in node memory), then run B starts with the same run.name and snapshot.local.url but a durable
 store of its own. B must start fresh and end bitwise where an unbroken run ends, and A, launched
 again, must still restore its own copy.
 """
@@ -29,7 +29,7 @@ def fast_copies(shm) -> list[str]:
 
 def test_a_crashed_runs_node_local_copy_is_never_restored_into_another_run_of_the_same_name(tmp_path, reference_run):
     shm = tmp_path / "shm"
-    fast = [f"snapshot.local_url={shm}"]
+    fast = [f"snapshot.local.url={shm}"]
     # Run A: rank 1 stops once step 138's gradients are in and is SIGKILLed; rank 0, its node's survivor, writes a
     # copy of step 138 to node memory. No restart: the copy is what a crashed run leaves behind.
     failpoints = tmp_path / "failpoints"

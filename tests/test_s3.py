@@ -137,7 +137,7 @@ def test_missing_bucket_is_one_line_naming_it(s3_server):
     assert time.monotonic() - started < HANG_GUARD_S
     assert not isinstance(raised.value, StorageUnavailable)
     assert str(raised.value) == (
-        f"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server.endpoint}; create it or fix snapshot.url "
+        f"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server.endpoint}; create it or fix snapshot.durable.url "
         "(now s3://no-such-bucket-here/run)"
     )
     assert_one_line_without_secret(raised.value)
@@ -158,7 +158,7 @@ def test_wrong_credentials_are_refused_not_retried(url, s3_server, wrong):
         assert time.monotonic() - started < 10, "a refused credential must not be retried for retry_for_s"
         assert type(raised.value) is StorageError and not raised.value.retryable
         assert f"the endpoint {s3_server.endpoint} refused the credentials" in str(raised.value)
-        assert "check key/secret in snapshot.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in str(raised.value)
+        assert "check key/secret in snapshot.durable.storage_options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in str(raised.value)
         assert_one_line_without_secret(raised.value)
 
 
@@ -271,7 +271,7 @@ def test_lease_refuses_a_second_run_and_names_the_first(url, s3_server, store):
         other.acquire_lease(owner("run-b", "token-b"), stale_after_s=60)
     message = str(raised.value)
     assert f"snapshot store {url} is in use: run run-a (host {socket.gethostname()}, pid {os.getpid()}, last renewed" in message
-    assert "use another snapshot.url, or set snapshot.lease_stale_after_s=0" in message
+    assert "use another snapshot.durable.url, or set snapshot.durable.lease_stale_after_s=0" in message
     assert json.loads(s3_server.client().cat_file(f"{url[5:]}/{LEASE_NAME}"))["token"] == "token-a"  # untouched
 
     # The lease is not a snapshot: listing and pruning ignore it.

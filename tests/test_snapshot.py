@@ -89,7 +89,7 @@ def test_a_different_model_is_named_precisely():
     assert "s3://b/run/step-000000000100 was saved from a different model" in message
     assert "unexpected: 9.extra" in message and "0.weight (5, 2) vs (4, 2)" in message
     # snapshot.resume=false would be refused beside these snapshots: the advice names the key that works.
-    assert "snapshot.resume=false" not in message and "start fresh with snapshot.url set to an empty location" in message
+    assert "snapshot.resume=false" not in message and "start fresh with snapshot.durable.url set to an empty location" in message
 
 
 def test_params_sha256_sees_one_changed_bit_and_ignores_nothing_else():

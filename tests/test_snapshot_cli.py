@@ -31,7 +31,7 @@ def train_into(url: str) -> None:
     seed_everything(0)
     Trainer.from_task(spirals.build(**TASK), {
         "run": {"name": "cli-test"},
-        "snapshot": {"url": url, "every_steps": 20, "keep_last": 4},
+        "snapshot": {"durable": {"url": url, "every_steps": 20, "keep_last": 4}},
         "train": {"max_epochs": 3, "batch_size": 16, "log_every_steps": 5},
         "log": {"progress_bar": False, "plots": False},
     }).fit()
@@ -170,7 +170,7 @@ def test_show_prints_the_newest_valid_snapshots_progress_config_and_history(trai
     assert f"val_loss {state['history']['records'][-1]['val_loss']:.4f}" in out
     # Only the keys that differ from the defaults; --json has the whole config.
     assert re.search(r"\nconfig    \d+ key\(s\) differ from the defaults \(--json has the whole config\):\n", out), out
-    for line in ("run.name = cli-test", "train.batch_size = 16", "snapshot.every_steps = 20"):
+    for line in ("run.name = cli-test", "train.batch_size = 16", "snapshot.durable.every_steps = 20"):
         assert f"\n  {line}\n" in out
     assert "train.max_steps" not in out and "train.grad_accum_steps" not in out, "defaults are not listed"
 

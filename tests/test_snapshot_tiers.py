@@ -1,4 +1,4 @@
-"""Two snapshot tiers: each node's fast copies (snapshot.local_url) and the durable store.
+"""Two snapshot tiers: each node's fast copies (snapshot.local.url) and the durable store.
 
 A restart restores the newest snapshot any tier holds and verifies; exactness is unchanged; the
 fast tier is refused before its first write when it does not fit, and cleaned at DONE."""
@@ -17,19 +17,19 @@ from tests.test_trainer import memory_url
 LOCAL_EVERY = 4
 
 
-def trainer(tmp_path, durable: str, max_steps: int | None = None, **snapshot) -> Trainer:
+def trainer(tmp_path, durable: str, max_steps: int | None = None, local: dict | None = None, **durable_settings) -> Trainer:
     seed_everything(0)
-    task = build(str(tmp_path), raise_rank=0, raise_at_step=snapshot.pop("raise_at", -1), train_samples=512, hidden=32)
+    task = build(str(tmp_path), raise_rank=0, raise_at_step=durable_settings.pop("raise_at", -1), train_samples=512, hidden=32)
     return Trainer.from_task(task, {
-        "snapshot": {"url": durable, "every_steps": 10, "local_url": str(tmp_path / "shm"),
-                     "local_every_steps": LOCAL_EVERY, **snapshot},
+        "snapshot": {"durable": {"url": durable, "every_steps": 10, **durable_settings},
+                     "local": {"url": str(tmp_path / "shm"), "every_steps": LOCAL_EVERY, **(local or {})}},
         "train": {"max_epochs": 2, "max_steps": max_steps, "batch_size": 16, "log_every_steps": 5},
         "log": {"progress_bar": False},
     })
 
 
 def fast_dir(tmp_path, run_name: str = "default"):
-    """The node-local directory of the one run that used ``run_name`` here (``<local_url>/<run.name>/<run id>``)."""
+    """The node-local directory of the one run that used ``run_name`` here (``<snapshot.local.url>/<run.name>/<run id>``)."""
     (run_dir,) = (tmp_path / "shm" / run_name).iterdir()
     return run_dir
 
@@ -47,7 +47,7 @@ def corrupt(tmp_path, step: int) -> None:
 
 def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, capfd):
     (tmp_path / "ref").mkdir()
-    reference = trainer(tmp_path / "ref", memory_url(), local_url=None).fit()
+    reference = trainer(tmp_path / "ref", memory_url(), local={"url": None}).fit()
 
     durable = memory_url()
     crashed = trainer(tmp_path, durable, raise_at=27)
@@ -65,7 +65,7 @@ def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, cap
     err = capfd.readouterr().err
     assert "restored step 20 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
     assert summary.params_sha256 == reference.params_sha256
-    assert not (tmp_path / "shm").exists(), "the fast tier is cleaned at DONE, the emptied snapshot.local_url too"
+    assert not (tmp_path / "shm").exists(), "the fast tier is cleaned at DONE, the emptied snapshot.local.url too"
 
 
 def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
@@ -114,9 +114,10 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
     assert not (tmp_path / "shm" / "default").exists(), "DONE gives the node's memory back"
 
 
-@pytest.mark.parametrize("local_async_write, fast_in_background", [(None, True), (False, False)])
-def test_the_fast_tier_writes_in_the_background_as_async_write_unless_told_otherwise(tmp_path, local_async_write,
-                                                                                   fast_in_background):
+@pytest.mark.parametrize("local, fast_in_background", [({}, False), ({"async_write": True}, True),
+                                                       ({"async_write": False}, False)])
+def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_says_so(tmp_path, local,
+                                                                                     fast_in_background):
     from elastictrain.events import Observer
 
     class Reports(Observer):
@@ -127,14 +128,14 @@ def test_the_fast_tier_writes_in_the_background_as_async_write_unless_told_other
             self.background.setdefault(report.tier, set()).add(report.write_s > 0)
 
     reports = Reports()
-    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local_async_write=local_async_write)
+    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local=local)
     run.events.add(reports)
     run.fit()
     assert reports.background == {"durable": {True}, "local": {fast_in_background}}
 
 
 def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path):
-    """A job that fails more often than snapshot.every_seconds still gets durable snapshots: a restart
+    """A job that fails more often than snapshot.durable.every_s still gets durable snapshots: a restart
     restored from a fast copy does not start the durable timer again."""
     import time
 
@@ -143,7 +144,7 @@ def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restar
         trainer(tmp_path, durable, raise_at=27).fit()
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [10, 20]
     time.sleep(2.5)  # the durable store's newest (step 20) is now older than the interval below
-    resumed = trainer(tmp_path, durable, max_steps=40, every_steps=0, every_seconds=2.0)
+    resumed = trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=2.0)
     resumed.fit()
     # Restored from the fast copy at 24 with the durable timer already due: the restored step goes
     # to the durable store at once. Counted from the restart instead, the next durable snapshot
@@ -156,9 +157,9 @@ def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store
 
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
-        trainer(tmp_path, durable, raise_at=27, every_steps=0, every_seconds=2.0).fit()
+        trainer(tmp_path, durable, raise_at=27, every_steps=0, every_s=2.0).fit()
     assert SnapshotStore(durable).list_snapshots() == []  # every attempt ended before the interval
     time.sleep(2.5)
-    trainer(tmp_path, durable, max_steps=40, every_steps=0, every_seconds=2.0).fit()
+    trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=2.0).fit()
     # The run started over 2 s ago: the restored fast copy (step 24) goes to the durable store at once.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [24, 40]

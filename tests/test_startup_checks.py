@@ -32,21 +32,21 @@ def assert_stopped_once_without_restart(output: str, error: str) -> None:
 
 
 @pytest.mark.parametrize("survivor_copies", ["true", "false"])
-def test_an_unwritable_fast_tier_is_one_line_naming_snapshot_local_url_and_no_restart(tmp_path, survivor_copies):
+def test_an_unwritable_fast_tier_is_one_line_naming_its_key_and_no_restart(tmp_path, survivor_copies):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    job = launch_job(tmp_path, "job", [f"snapshot.local_url={blocker / 'shm'}", f"snapshot.survivor_copies={survivor_copies}"],
+    job = launch_job(tmp_path, "job", [f"snapshot.local.url={blocker / 'shm'}", f"snapshot.local.survivor_copies={survivor_copies}"],
                      max_restarts=1)
     assert job.wait(TIMEOUT_S) != 0
     output = job.output()
-    assert_stopped_once_without_restart(output, f"snapshot.local_url={blocker / 'shm'} cannot be used on this node")
-    assert "snapshot.url" not in "\n".join(worker_lines(output)), "the warnings and errors name the key that is wrong"
+    assert_stopped_once_without_restart(output, f"snapshot.local.url={blocker / 'shm'} cannot be used on this node")
+    assert "snapshot.durable.url" not in "\n".join(worker_lines(output)), "the warnings and errors name the key that is wrong"
 
 
 def test_an_unwritable_run_dir_with_log_jsonl_is_one_line_naming_it_and_no_restart(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    job = launch_job(tmp_path, "job", [f"run.dir={blocker / 'run'}", f"snapshot.url={tmp_path / 'snapshots'}",
+    job = launch_job(tmp_path, "job", [f"run.dir={blocker / 'run'}", f"snapshot.durable.url={tmp_path / 'snapshots'}",
                                        "log.jsonl=true"], max_restarts=1)
     assert job.wait(TIMEOUT_S) != 0
     output = job.output()

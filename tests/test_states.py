@@ -49,7 +49,7 @@ def test_illegal_transition_raises_naming_both_states(path, bad):
 
 
 NONE, TIMER, PREEMPT = Requests(), Requests(snapshot=True), Requests(preempt=True)
-FAST_TIMER = Requests(local_snapshot=True)  # rank 0's fast-tier timer (snapshot.local_every_seconds)
+FAST_TIMER = Requests(local_snapshot=True)  # rank 0's fast-tier timer (snapshot.local.every_s)
 PLAN = Plan(max_epochs=2, max_steps=None, eval_every_epochs=1, has_val_data=True, snapshot_every_steps=10, snapshot_on_done=True)
 FAST = Plan(2, None, 1, True, 10, True, local_every_steps=4)  # the fast tier every 4 steps too
 

@@ -487,7 +487,7 @@ def test_check_writable_reports_url_when_path_is_unusable(tmp_path):
         SnapshotStore(url).check_writable()
     message = str(raised.value)
     assert url in message
-    assert "check the path/credentials or set snapshot.url" in message
+    assert "check the path/credentials or set snapshot.durable.url" in message
     assert "\n" not in message
 
 
@@ -530,7 +530,7 @@ def test_disk_full_is_one_clear_error_and_earlier_snapshots_stay_intact(small_tm
     needed = re.search(r"the device is full \(needed ~(\d+) bytes, (\d+) bytes free\)", message)
     assert message.startswith(f"snapshot {url}/step-000000000030 could not be written: the device is full"), message
     assert needed and int(needed.group(1)) == len(too_big) + len(b"fits")
-    assert message.endswith("free space or point snapshot.url elsewhere — earlier snapshots are intact")
+    assert message.endswith("free space or point snapshot.durable.url elsewhere — earlier snapshots are intact")
 
     assert sorted(os.listdir(url)) == ["step-000000000010", "step-000000000020"]  # no torn step-30 left
     assert [item.step for item in store.list_snapshots()] == [10, 20]

@@ -57,7 +57,7 @@ def fit_stream(dataset, **config):
     seed_everything(0)
     task = spirals.build(train_samples=64, val_samples=32, hidden=8)
     return Trainer(task.model, task.optimizer, dataset, task.loss_fn, config={
-        "snapshot": {"url": f"memory://streams/{uuid.uuid4().hex}"}, "log": {"plots": False}, **config}).fit()
+        "snapshot": {"durable": {"url": f"memory://streams/{uuid.uuid4().hex}"}}, "log": {"plots": False}, **config}).fit()
 
 
 def test_a_stream_without_state_dict_is_one_clear_line():

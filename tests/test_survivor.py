@@ -100,7 +100,7 @@ class Node:
     """Two ranks of one node as SurvivorCopies sees them: rank 0 survives (this object), rank 1's slot is written by hand."""
 
     def __init__(self, tmp_path, round_id: str = "round-a") -> None:
-        cfg = load_config(None, [f"snapshot.local_url={tmp_path / 'shm'}"])
+        cfg = load_config(None, [f"snapshot.local.url={tmp_path / 'shm'}"])
         ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0,
                           round_id=round_id)
         torch.manual_seed(0)

@@ -37,7 +37,7 @@ JOB = [
     "train.virtual_shards=4",
     "train.batch_size=16",
     "train.log_every_steps=8",
-    "snapshot.every_steps=10",
+    "snapshot.durable.every_steps=10",
     "log.plots=false",
 ]
 # Rank 0 pauses in its 16th and its 60th loss call, once each per job, so every launch has the same config.

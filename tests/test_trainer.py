@@ -24,7 +24,7 @@ SMALL = {"train_samples": 512, "val_samples": 128, "hidden": 32}
 
 def config(url: str, **train) -> dict:
     return {
-        "snapshot": {"url": url, "every_steps": 10},
+        "snapshot": {"durable": {"url": url, "every_steps": 10}},
         "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5, **train},
         "log": {"progress_bar": False},
     }
@@ -70,16 +70,16 @@ def test_a_snapshot_of_another_model_is_refused_and_nothing_is_deleted(capfd):
 # Each piece of advice a refusal may give to start over, and the overrides that follow it.
 START_FRESH_ADVICE = {
     "snapshot.resume=false": lambda tmp_path: {"snapshot": {"resume": False}},
-    "start fresh with snapshot.url set to an empty location": lambda tmp_path: {"snapshot": {"url": memory_url()}},
+    "start fresh with snapshot.durable.url set to an empty location": lambda tmp_path: {"snapshot": {"durable": {"url": memory_url()}}},
     "start fresh with another run.dir": lambda tmp_path: {"run": {"dir": str(tmp_path / "another")}},
 }
 
 
-@pytest.mark.parametrize("explicit_url", [True, False], ids=["snapshot.url", "run.dir"])
+@pytest.mark.parametrize("explicit_url", [True, False], ids=["snapshot.durable.url", "run.dir"])
 def test_the_advice_given_for_a_changed_model_works_when_followed(tmp_path, explicit_url):
     base = config(memory_url())
     if not explicit_url:
-        base = {**base, "snapshot": {"every_steps": 10}, "run": {"dir": str(tmp_path / "run")}}
+        base = {**base, "snapshot": {"durable": {"every_steps": 10}}, "run": {"dir": str(tmp_path / "run")}}
     seed_everything(0)
     Trainer.from_task(spirals.build(**SMALL), {**base, "train": {**base["train"], "max_steps": 10}}).fit()
     changed = {**SMALL, "hidden": 48}
@@ -119,7 +119,7 @@ def test_time_based_snapshots_are_checked_at_every_step():
     seed_everything(0)
     run = Trainer.from_task(
         spirals.build(**SMALL),
-        {**config(url), "snapshot": {"url": url, "every_steps": 0, "every_seconds": 1e-9, "keep_last": 100, "on_done": False}},
+        {**config(url), "snapshot": {"durable": {"url": url, "every_steps": 0, "every_s": 1e-9, "keep_last": 100, "on_done": False}}},
     )
     run.fit()
     steps = [s.step for s in SnapshotStore(url).list_snapshots()]
@@ -158,7 +158,7 @@ def test_yaml_config_through_the_installed_console_script(tmp_path):
         "  factory: tests.helpers.tasks:build\n"
         f"  args: {{trace_dir: {tmp_path / 'trace'}, train_samples: 256, val_samples: 64}}\n"
         "train: {max_epochs: 1, batch_size: 16}\n"
-        f"snapshot: {{url: {tmp_path / 'snaps'}, every_steps: 4}}\n"
+        f"snapshot: {{durable: {{url: {tmp_path / 'snaps'}, every_steps: 4}}}}\n"
     )
     done = subprocess.run(
         [console, "train", "--config", str(config_file), "train.max_steps=10"],
@@ -174,7 +174,7 @@ def test_a_fresh_run_refuses_a_store_that_holds_another_runs_snapshots():
     trainer(url, max_steps=10).fit()
     before = [s.snapshot_id for s in SnapshotStore(url).list_snapshots()]
     seed_everything(0)
-    fresh = Trainer.from_task(spirals.build(**SMALL), {**config(url), "snapshot": {"url": url, "resume": False}})
+    fresh = Trainer.from_task(spirals.build(**SMALL), {**config(url), "snapshot": {"durable": {"url": url}, "resume": False}})
     with pytest.raises(SnapshotError, match="snapshot.resume=false but .* already holds snapshots"):
         fresh.fit()
     assert [s.snapshot_id for s in SnapshotStore(url).list_snapshots()] == before
@@ -195,5 +195,5 @@ def test_s3_without_s3fs_installed_is_one_line_saying_what_to_install():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, env=job_env())
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("elastictrain: error: snapshot.url='s3://bucket/run' needs a filesystem package")
+    assert lines[0].startswith("elastictrain: error: snapshot.durable.url='s3://bucket/run' needs a filesystem package")
     assert lines[0].endswith("pip install 'elastictrain[s3]'")

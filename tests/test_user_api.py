@@ -30,7 +30,7 @@ def trainer(url: str, task_args: dict = SMALL, lr_scheduler="task", loss_fn=None
     if loss_fn is not None:
         task.loss_fn = loss_fn
     return Trainer.from_task(task, {
-        "snapshot": {"url": url, "every_steps": 10},
+        "snapshot": {"durable": {"url": url, "every_steps": 10}},
         "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5, **train},
         "log": {"progress_bar": False, "plots": False},
     })
@@ -104,7 +104,7 @@ def test_a_resume_that_would_change_the_batch_geometry_is_refused_with_the_way_o
 
     seed_everything(0)
     accepted = Trainer.from_task(spirals.build(**SMALL), {
-        "snapshot": {"url": url, "every_steps": 10, "accept_changes": ["train.batch_size"]},
+        "snapshot": {"durable": {"url": url, "every_steps": 10}, "accept_changes": ["train.batch_size"]},
         "train": {"max_epochs": 2, "batch_size": 32, "log_every_steps": 5}, "log": {"progress_bar": False, "plots": False},
     }).fit()
     assert accepted.state == "DONE"

@@ -65,7 +65,7 @@ USER_SCRIPT = textwrap.dedent('''
     trainer = Trainer(
         model, optimizer, make_spirals(256, classes=3, noise=0.15, seed=1), loss_fn,
         config={"run": {"name": "my-script"}, "train": {"max_steps": 4, "batch_size": 16},
-                "snapshot": {"every_steps": 0, "on_done": False}, "log": {"plots": False}},
+                "snapshot": {"durable": {"every_steps": 0, "on_done": False}}, "log": {"plots": False}},
         overrides=sys.argv[2:],
     )
     print("summary:", trainer.fit().line())
@@ -261,10 +261,10 @@ def build_with_a_bug(hidden: int = 8) -> Task:
         (["task.args.hidden=-5"],
          "task.args do not fit elastictrain.tasks.spirals:build (given hidden=-5): ValueError: 'hidden' must be at "
          "least 1, got -5; fix task.args (for the traceback: ELASTICTRAIN_TRACEBACK=1)"),
-        (["snapshot.storage_options.key=AKIA0", "snapshot.storage_options.secret=hunter2", "run.dir=/tmp/x"],
-         "invalid config (defaults + overrides): snapshot.storage_options (key, secret) are ignored for the local "
-         "path snapshot.url='/tmp/x/snapshots': they configure a remote store (credentials, endpoint); set "
-         "snapshot.url to the store they are for (e.g. s3://bucket/run) or remove them (snapshot.storage_options={})"),
+        (["snapshot.durable.storage_options.key=AKIA0", "snapshot.durable.storage_options.secret=hunter2", "run.dir=/tmp/x"],
+         "invalid config (defaults + overrides): snapshot.durable.storage_options (key, secret) are ignored for the local "
+         "path snapshot.durable.url='/tmp/x/snapshots': they configure a remote store (credentials, endpoint); set "
+         "snapshot.durable.url to the store they are for (e.g. s3://bucket/run) or remove them (snapshot.durable.storage_options={})"),
         (["train.virtual_shards=6"],
          "invalid config (defaults + overrides): train.virtual_shards=6 must be a power of two (2, 4, 8, ...): the "
          "shards' gradients are summed in one binary tree, the same at every world size; pick the power of two at "

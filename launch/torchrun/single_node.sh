@@ -3,7 +3,7 @@
 #
 #   launch/torchrun/single_node.sh                                  # the default job
 #   launch/torchrun/single_node.sh -m elastictrain train --config my.yaml train.max_epochs=20
-#   launch/torchrun/single_node.sh my_train.py snapshot.url=s3://bucket/run
+#   launch/torchrun/single_node.sh my_train.py snapshot.durable.url=s3://bucket/run
 #
 # The arguments are torchrun's: the training script, or -m and a module, and their arguments.
 # Environment (all optional): NPROC_PER_NODE (default gpu: one worker per visible GPU; a number

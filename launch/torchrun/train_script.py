@@ -28,6 +28,6 @@ trainer = Trainer(
     model, optimizer, make_spirals(4096, classes=3, noise=0.15, seed=1), loss_fn,
     val_data=make_spirals(1024, classes=3, noise=0.15, seed=2), lr_scheduler=cosine,
     config={"run": {"name": "my-script"}, "train": {"max_epochs": 10}},
-    overrides=sys.argv[1:],  # e.g. snapshot.url=s3://bucket/my-run train.max_epochs=20
+    overrides=sys.argv[1:],  # e.g. snapshot.durable.url=s3://bucket/my-run train.max_epochs=20
 )
 summary = trainer.fit()

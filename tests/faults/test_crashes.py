@@ -129,13 +129,13 @@ WIDE = ["task.args.hidden=256", "train.max_epochs=2"]
 
 
 def test_a_full_disk_stops_the_run_cleanly_with_one_line_and_earlier_snapshots_intact(tmp_path, small_disk):
-    job = launch_job(tmp_path, "job", [*WIDE, f"snapshot.url={small_disk}"], max_restarts=1)
+    job = launch_job(tmp_path, "job", [*WIDE, f"snapshot.durable.url={small_disk}"], max_restarts=1)
     assert job.wait(TIMEOUT_S) != 0
     lines = worker_lines(job.output())
     failures = re.findall(r"a0\] ERROR rank \d stopped in state SNAPSHOT at step 75: (.*)", lines)
     assert len(failures) == 1, lines[-3000:]  # every rank agreed at once; the node's first to stop says it
     assert "snapshot at step 75 failed" in failures[0] and "full" in failures[0]
-    assert "stopping (snapshot.on_error=stop)" in failures[0] and "the newest committed one is step 50" in failures[0]
+    assert "stopping (snapshot.durable.on_error=stop)" in failures[0] and "the newest committed one is step 50" in failures[0]
     assert "a1]" not in lines and "Traceback" not in lines  # the restart stopped before importing torch (fatal.py)
     store = SnapshotStore(str(small_disk))
     assert [listing.step for listing in store.list_snapshots()] == [25, 50], "no torn step-75 prefix is left"
@@ -143,7 +143,7 @@ def test_a_full_disk_stops_the_run_cleanly_with_one_line_and_earlier_snapshots_i
 
 
 def test_a_full_disk_with_on_error_continue_trains_on_and_says_snapshots_are_behind(tmp_path, small_disk):
-    job = launch_job(tmp_path, "job", [*WIDE, f"snapshot.url={small_disk}", "snapshot.on_error=continue"])
+    job = launch_job(tmp_path, "job", [*WIDE, f"snapshot.durable.url={small_disk}", "snapshot.durable.on_error=continue"])
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     output = job.output()
     assert parse_job(output).summary["state"] == "DONE" and parse_job(output).summary["step"] == "96"

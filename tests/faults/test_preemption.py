@@ -85,7 +85,7 @@ def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaun
 
 def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_restarts_with_nothing_lost(tmp_path, reference_run):
     # Snapshots written in the background: the preemption snapshot is waited for before exit 143.
-    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61", "snapshot.async_write=true"])
+    job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61", "snapshot.durable.async_write=true"])
     pause_then(tmp_path, job, 1, lambda pid: os.kill(pid, signal.SIGTERM))
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     output = job.output()

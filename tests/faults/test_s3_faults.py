@@ -25,12 +25,12 @@ pytestmark = pytest.mark.torchrun
 def s3_overrides(server, bucket: str, **timeouts) -> list[str]:
     options = server.storage_options
     overrides = [
-        f"snapshot.url=s3://{bucket}/run",
-        f"snapshot.storage_options.key={options['key']}",
-        f"snapshot.storage_options.secret={options['secret']}",
-        f"snapshot.storage_options.client_kwargs.endpoint_url={server.endpoint}",
+        f"snapshot.durable.url=s3://{bucket}/run",
+        f"snapshot.durable.storage_options.key={options['key']}",
+        f"snapshot.durable.storage_options.secret={options['secret']}",
+        f"snapshot.durable.storage_options.client_kwargs.endpoint_url={server.endpoint}",
     ]
-    overrides += [f"snapshot.storage_options.config_kwargs.{k}={v}" for k, v in timeouts.items()]
+    overrides += [f"snapshot.durable.storage_options.config_kwargs.{k}={v}" for k, v in timeouts.items()]
     return overrides
 
 
@@ -42,7 +42,7 @@ def assert_bitwise(workdir, reference, output: str) -> None:
 
 def test_an_s3_outage_longer_than_a_snapshot_interval_does_not_stop_training(tmp_path, reference_run, s3_server, s3_bucket):
     overrides = s3_overrides(s3_server, s3_bucket, connect_timeout=1, read_timeout=1) + [
-        "snapshot.retry_for_s=2", "task.args.pause_rank=0", "task.args.pause_at_step=40",
+        "snapshot.durable.retry_for_s=2", "task.args.pause_rank=0", "task.args.pause_at_step=40",
     ]
     job = launch_job(tmp_path, "job", overrides)
     marker = tmp_path / "trace" / "paused-rank0.pid"

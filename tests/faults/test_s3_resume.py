@@ -2,7 +2,7 @@
 
 The storage backend must not change the numbers: the faulted S3 run ends with the
 params_sha256 of the unbroken reference run on local disk, with exactly one restart. The
-secret given in snapshot.storage_options appears neither in the job's output nor in the bytes
+secret given in snapshot.durable.storage_options appears neither in the job's output nor in the bytes
 of the snapshot it saved.
 """
 
@@ -29,10 +29,10 @@ def test_sigkill_worker_with_snapshots_on_s3_resumes_bitwise(tmp_path, reference
     url = f"s3://{s3_bucket}/run"
     options = s3_server.storage_options
     overrides = [
-        f"snapshot.url={url}",
-        f"snapshot.storage_options.endpoint_url={s3_server.endpoint}",
-        f"snapshot.storage_options.key={options['key']}",
-        f"snapshot.storage_options.secret={options['secret']}",
+        f"snapshot.durable.url={url}",
+        f"snapshot.durable.storage_options.endpoint_url={s3_server.endpoint}",
+        f"snapshot.durable.storage_options.key={options['key']}",
+        f"snapshot.durable.storage_options.secret={options['secret']}",
         f"task.args.pause_rank={KILL_RANK}",
         f"task.args.pause_at_step={KILL_STEP}",
     ]

@@ -23,7 +23,7 @@ JOB = [
     "train.max_epochs=5",
     "train.batch_size=16",
     "train.log_every_steps=10",
-    f"snapshot.every_steps={SNAPSHOT_EVERY}",
+    f"snapshot.durable.every_steps={SNAPSHOT_EVERY}",
     # 509 validation samples in batches of 100: uneven shards and a short last batch per rank.
     "task.args.val_samples=509",
     "data.val_batch_size=100",
