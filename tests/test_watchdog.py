@@ -15,9 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.events import RunInfo, TrainInterval
+from elastictrain.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose
 from elastictrain.states import State
 from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
-from elastictrain.watchdog import HUNG_EXIT_CODE, Heartbeat, SilentPeers, Watchdog, WatchdogSettings, allowance_s, diagnose
+from elastictrain.watchdog import HUNG_EXIT_CODE, Watchdog
 
 SETTINGS = WatchdogSettings(hang_timeout_s=30, step_multiple=10, first_step_s=600, restore_s=500, evaluate_s=1800, snapshot_s=700)
 
