@@ -17,7 +17,8 @@ from .states import TERMINAL, State
 
 # Where the innermost frame of a rank's loop thread lies when that rank is waiting for its peers
 # rather than computing: inside a collective, or in backward (DDP's gradient all-reduce).
-_WAITING_MODULES = ("torch.distributed", "torch.autograd", "elastictrain.dist", "elastictrain.vote", "elastictrain.reduce")
+_WAITING_MODULES = ("torch.distributed", "torch.autograd", "elastictrain.dist", "elastictrain.collectives",
+                    "elastictrain.ddp", "elastictrain.vote", "elastictrain.reduce")
 
 
 @dataclass(frozen=True)

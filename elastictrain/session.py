@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import dist
+from . import ddp, dist, launch_env
 from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, UsageError
@@ -126,7 +126,7 @@ class Session:
         return self
 
     def _setup(self) -> None:
-        launch = dist.detect_launch_env()
+        launch = launch_env.detect_launch_env()
         self._rank_label = str(launch.rank)
         setup_logging(launch.rank, launch.restart_count, self.cfg.log)
         self.state.threads.start()
@@ -164,8 +164,8 @@ class Session:
                 "train.virtual_shards=0"
             )
         else:
-            wrapped = dist.wrap_model(model, self.ctx, self.cfg.dist)
-        self.registry.wrapped.append(dist.unwrap(wrapped))
+            wrapped = ddp.wrap_model(model, self.ctx, self.cfg.dist)
+        self.registry.wrapped.append(ddp.unwrap(wrapped))
         return wrapped
 
     def register(self, **statefuls: Any) -> None:

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from . import errors, failpoints
+from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
 from .config import Config
-from .dist import DistContext, all_gather, broadcast_bytes_from_main, broadcast_from_main, gather_to_main
+from .dist import DistContext
 from .errors import ConfigError, ElastictrainError, SnapshotError, StorageError, StorageUnavailable, StoreLeaseError
 from .events import SnapshotReport
 from .staging import Stager
