@@ -5,7 +5,7 @@ The snapshotter today has rank 0 read and verify the newest snapshot and hand th
 copies it into a tensor, sends it and unpickles it on the other side. This compares, in one
 run, with 2 processes on one machine (gloo over loopback):
 
-- ``broadcast_object_list``: what the snapshotter does (``dist.broadcast_from_main``);
+- ``broadcast_object_list``: what the snapshotter does (``collectives.broadcast_from_main``);
 - ``tensor broadcast``: rank 0 reads and verifies; the manifest goes by ``broadcast_object_list``
   (a few hundred bytes), each object by ``dist.broadcast`` of a uint8 tensor received into a
   buffer of the manifest's size, so nothing is pickled;

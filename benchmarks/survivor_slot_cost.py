@@ -25,7 +25,8 @@ import torch
 
 from benchmarks._goodput_worker import build_model
 from elastictrain.config import load_config
-from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.dist import DistContext
+from elastictrain.launch_env import LaunchEnv
 from elastictrain.reduce import WeightedSums
 from elastictrain.snapshot import History, Progress
 from elastictrain.snapshotter import Snapshotter

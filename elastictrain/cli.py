@@ -78,23 +78,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Look into a snapshot store without training. Only show and export load tensors.",
     ).add_subparsers(dest="snapshot_command", required=True)
     _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, valid (cheap check)",
-             lambda tools, args, found: (tools.list_document(*found), tools.render_list))
+             lambda tools, text, args, found: (tools.list_document(*found), text.render_list))
     _command(snapshots, "verify", [store], "read every object and check every checksum; exit 1 if the newest is invalid",
-             lambda tools, args, found: (tools.verify_document(*found), tools.render_verify))
+             lambda tools, text, args, found: (tools.verify_document(*found), text.render_verify))
     _command(snapshots, "show", [store, pick], "config, progress, attempts and history of one snapshot",
-             lambda tools, args, found: (tools.show_document(*found, args.step), tools.render_show))
+             lambda tools, text, args, found: (tools.show_document(*found, args.step), text.render_show))
     export = _command(
         snapshots, "export", [store, pick], "write one snapshot's model weights as a plain state_dict file",
-        lambda tools, args, found: (tools.export_document(*found, args.step, args.out, args.format), tools.render_export),
+        lambda tools, text, args, found: (tools.export_document(*found, args.step, args.out, args.format), text.render_export),
     )
     export.add_argument("--out", required=True, metavar="FILE", help="file to write (torch.load(FILE, weights_only=True) reads it)")
     export.add_argument("--format", choices=("torch", "safetensors"), default="torch",
                         help="torch (default) or safetensors (needs the safetensors package)")
     prune = _command(snapshots, "prune", [store], "delete all but the newest N snapshots (never the newest valid one)",
-                     lambda tools, args, found: (tools.prune_document(*found, args.keep), tools.render_prune))
+                     lambda tools, text, args, found: (tools.prune_document(*found, args.keep), text.render_prune))
     prune.add_argument("--keep", type=int, required=True, metavar="N", help="how many of the newest snapshots to keep")
     plot = _command(commands, "plot", [store, pick], "draw loss and metric curves of a run, restarts marked, as PNG files",
-                    lambda tools, args, found: (tools.plot_document(*found, args.step, args.out), tools.render_plot))
+                    lambda tools, text, args, found: (tools.plot_document(*found, args.step, args.out), text.render_plot))
     plot.add_argument("--out", default="plots", metavar="DIR", help="directory for the PNG files (default: ./plots)")
     return parser
 
@@ -106,12 +106,12 @@ def _command(commands, name: str, parents: list, summary: str, build: Callable) 
 
 
 def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
-    from . import snapshot_tools
+    from . import snapshot_text, snapshot_tools
 
     try:
         with _warnings_to_stderr():
             found = snapshot_tools.open_store(args.url, storage_options(args.storage_option))
-            document, render = build(snapshot_tools, args, found)
+            document, render = build(snapshot_tools, snapshot_text, args, found)
     except ElastictrainError as exc:
         if args.json:  # a script reading stdout gets JSON for an error too; main() prints the line
             print(json.dumps({"error": str(exc), "exit_code": exc.exit_code}), flush=True)

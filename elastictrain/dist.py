@@ -1,6 +1,4 @@
-"""Where this worker runs: launch environment, process group, device, DDP wrapping, collectives.
-
-Rank and world size are decided here once; nothing else reads RANK or SLURM_* variables.
+"""The process group of this worker: its device, the run's store it is built on, the errors recorded there.
 
 Why the process group is built on our own store: under ``torchrun --rdzv-backend=c10d`` the
 agent hosts one TCPStore for its whole life and hands every restarted attempt the same
@@ -20,99 +18,20 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
-import re
 import time
-import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .config import DistConfig
 from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .launch_env import LaunchEnv, detect_launch_env
 from .rounds import agree_on_round
 
 log = logging.getLogger("elastictrain")
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """What the launcher told this process, read once from the environment."""
-
-    launcher: str  # "torchrun", "slurm", "env" (RANK/WORLD_SIZE set by hand) or "none"
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    restart_count: int = 0
-    run_id: str = "local"
-    uses_agent_store: bool = False
-    node_rank: int = 0  # GROUP_RANK under torchrun, SLURM_NODEID under srun
-
-
-def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """torchrun variables win over SLURM ones (torchrun inside srun); plain RANK/WORLD_SIZE last."""
-    env = os.environ if environ is None else environ
-    try:
-        if "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env:
-            return LaunchEnv(
-                launcher="torchrun",
-                rank=int(env["RANK"]),
-                local_rank=int(env["LOCAL_RANK"]),
-                world_size=int(env["WORLD_SIZE"]),
-                master_addr=env["MASTER_ADDR"],
-                master_port=int(env["MASTER_PORT"]),
-                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
-                uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                node_rank=int(env.get("GROUP_RANK", "0")),
-            )
-        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-            job_id = env.get("SLURM_JOB_ID", "0")
-            return LaunchEnv(
-                launcher="slurm",
-                rank=int(env["SLURM_PROCID"]),
-                local_rank=int(env.get("SLURM_LOCALID", "0")),
-                world_size=int(env["SLURM_NTASKS"]),
-                master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-                # A port derived from the job id lets two jobs share a head node without clashing.
-                master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
-                restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
-                run_id=f"slurm-{job_id}",
-                node_rank=int(env.get("SLURM_NODEID", "0")),
-            )
-        if "RANK" in env and "WORLD_SIZE" in env:
-            return LaunchEnv(
-                launcher="env",
-                rank=int(env["RANK"]),
-                local_rank=int(env.get("LOCAL_RANK", "0")),
-                world_size=int(env["WORLD_SIZE"]),
-                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(env.get("MASTER_PORT", "29500")),
-            )
-    except (KeyError, ValueError) as exc:
-        raise DistributedSetupError(
-            f"incomplete launch environment: {type(exc).__name__} {exc}; launch with torchrun or srun, "
-            "or set dist.distributed=false to train in this one process"
-        ) from None
-    return LaunchEnv(launcher="none")
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        return nodelist
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 @dataclass(frozen=True)
@@ -304,121 +223,3 @@ def teardown(ctx: DistContext) -> None:
         # Collecting garbage and releasing the GIL for a moment lets those threads finish first.
         gc.collect()
         time.sleep(0.1)
-
-
-def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:
-    """Move to the device; under DDP convert BatchNorm if asked and wrap."""
-    model.to(ctx.device)
-    if not ctx.distributed:
-        return model
-    if cfg.sync_batchnorm:
-        if ctx.device.type != "cuda":
-            raise ConfigError(
-                "dist.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm does not run on CPU); "
-                "set dist.sync_batchnorm=false"
-            )
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    find_unused = cfg.find_unused_parameters
-    if find_unused is None:
-        env = os.environ if environ is None else environ
-        find_unused = env.get("DDP_FIND_UNUSED_PARAMETERS", "false").lower() in ("1", "true", "yes")
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
-
-
-class LossForward(nn.Module):
-    """The user's ``loss_fn(model, batch)`` as one module's forward, so that DDP wraps the whole loss.
-
-    DDP arms its gradient all-reduce in its own forward: a loss_fn that reached a submodule of a
-    DDP wrapper (``model.G(x)``) would find no ``G`` there, and calling ``wrapper.module.G`` would
-    skip the all-reduce, each rank then stepping on its own gradients. Run inside DDP's forward,
-    loss_fn gets the user's own module, on one worker or many alike, and every gradient it makes is synced.
-    """
-
-    def __init__(self, model: nn.Module, loss_fn: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.__dict__["loss_fn"] = loss_fn  # never a submodule, even as an nn.Module: its weights are not the model's
-
-    def forward(self, batch: Any) -> Any:
-        return self.loss_fn(self.model, batch)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module: without DDP's wrapper and the LossForward around it."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model.model if isinstance(model, LossForward) else model
-
-
-def no_sync(model: nn.Module, skip_sync: bool) -> Any:
-    """DDP's no_sync() for all micro-batches but the last of an accumulated step."""
-    if skip_sync and isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.no_sync()
-    return nullcontext()
-
-
-def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum a small float64 tensor over ranks (on the collective's device) and return it on the CPU."""
-    if not ctx.distributed:
-        return values
-    on_device = values.to(ctx.device)
-    dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
-    return on_device.cpu()
-
-
-def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
-    if not ctx.distributed:
-        return [obj]
-    gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
-def all_gather(obj: Any, ctx: DistContext) -> list[Any]:
-    """Every rank's ``obj`` on every rank, in rank order."""
-    if not ctx.distributed:
-        return [obj]
-    gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def all_reduce_sum_start(values: torch.Tensor, ctx: DistContext) -> Any:
-    """Start summing ``values`` (on the collective's device) over ranks in place; returns the Work to wait on."""
-    return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
-
-
-def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContext, src: int = 0) -> dict[str, Any]:
-    """Rank ``src``'s named byte strings on every rank, each sent as one uint8 tensor.
-
-    Pickling bytes through ``broadcast_object_list`` copies them twice on each side: for a
-    200 MB snapshot on 2 gloo ranks that took 1.1-1.3 s against 0.27-0.33 s as a tensor.
-    The receivers get read-only memoryviews.
-    """
-    if not ctx.distributed:
-        return dict(payloads or {})
-    sending = ctx.rank == src
-    sizes = broadcast_from_main({name: len(data) for name, data in payloads.items()} if sending else None, ctx, src)
-    received: dict[str, Any] = {}
-    for name, size in sizes.items():
-        if sending:
-            with warnings.catch_warnings():  # the bytes are only read: not being writable is fine
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(payloads[name], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        else:
-            tensor = torch.empty(size, dtype=torch.uint8)
-        on_device = tensor.to(ctx.device) if ctx.backend == "nccl" else tensor
-        dist.broadcast(on_device, src=src)
-        received[name] = payloads[name] if sending else memoryview(on_device.cpu().numpy()).toreadonly()
-    return received
-
-
-def broadcast_from_main(obj: Any, ctx: DistContext, src: int = 0) -> Any:
-    """Rank ``src``'s (rank 0's) ``obj`` on every rank."""
-    if not ctx.distributed:
-        return obj
-    holder = [obj if ctx.rank == src else None]
-    dist.broadcast_object_list(holder, src=src, device=ctx.device if ctx.backend == "nccl" else None)
-    return holder[0]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from . import dist
+from . import ddp, dist
 from .config import Config
 from .errors import ConfigError
 from .snapshot import seed_rng
@@ -52,7 +52,7 @@ class DDPAccumulation:
         self.timer = timer
 
     def micro_batch(self, index: int, count: int, step: int) -> AbstractContextManager:
-        return dist.no_sync(self.model, skip_sync=index < count - 1)  # a plain context: this runs at every micro-batch
+        return ddp.no_sync(self.model, skip_sync=index < count - 1)  # a plain context: this runs at every micro-batch
 
     def scale(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         return loss / count
@@ -150,9 +150,9 @@ def make_gradient_sync(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cf
     """What the loop trains, a module whose ``forward(batch)`` is ``loss_fn(model, batch)`` (DDP-wrapped or
     not), and the gradient sync that goes with it."""
     shards = cfg.train.virtual_shards
-    loss_forward = dist.LossForward(model, loss_fn)
+    loss_forward = ddp.LossForward(model, loss_fn)
     if not shards:
-        wrapped = dist.wrap_model(loss_forward, ctx, cfg.dist)
+        wrapped = ddp.wrap_model(loss_forward, ctx, cfg.dist)
         if cfg.stragglers.factor > 0:
             timer.register(wrapped)  # a no-op without DDP
         return wrapped, DDPAccumulation(wrapped, timer)
@@ -173,7 +173,7 @@ def wrap_model_for(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: C
             "session.wrap(model, loss_fn) and train with elastictrain.StepRunner (or the Trainer), or set "
             "train.virtual_shards=0"
         )
-    return dist.wrap_model(model, ctx, cfg.dist), None
+    return ddp.wrap_model(model, ctx, cfg.dist), None
 
 
 def check_virtual_shards(model: nn.Module) -> None:

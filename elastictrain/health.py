@@ -13,11 +13,12 @@ import logging
 from .config import Config
 from .dist import DistContext
 from .events import Observers
+from .hangs import WatchdogSettings
 from .signals import PREEMPTED_EXIT_CODE, PreemptionSignals, requeue_slurm_job
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
 from .tiers import SnapshotTiers
 from .vote import Requests, StepVote
-from .watchdog import Watchdog, WatchdogSettings
+from .watchdog import Watchdog
 
 log = logging.getLogger("elastictrain")
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset
 
-from . import dist
+from . import ddp, dist
 from .config import Config, load_config
 from .data import EvalBatchSampler, batch_size_of, is_stream, make_loader, to_device
 from .events import Observer
@@ -136,7 +136,7 @@ class Trainer:
 
     def _evaluate(self, session: Session, model: torch.nn.Module) -> dict[str, float]:
         """One pass over the validation set, each rank its share; sample-weighted means over all ranks."""
-        plain = dist.unwrap(model)  # no DDP here: shards may be uneven, so no per-forward collective
+        plain = ddp.unwrap(model)  # no DDP here: shards may be uneven, so no per-forward collective
         plain.eval()
         sampler = EvalBatchSampler(len(self.task.val_data), session.rank, session.world_size, self.cfg.data.val_batch_size)
         loader = make_loader(self.task.val_data, sampler, self.cfg.data.num_workers, self.cfg.run.seed,

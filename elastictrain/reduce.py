@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from .dist import DistContext, all_gather, all_reduce_sum
+from .collectives import all_gather, all_reduce_sum
+from .dist import DistContext
 from .errors import LossFnError
 
 

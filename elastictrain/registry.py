@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dist
+from . import ddp
 from .errors import UsageError
 from .runstate import RESERVED_NAMES
 from .task import PendingScheduler
@@ -38,7 +38,7 @@ class Registry:
                              "load_state_dict(); register objects that do (models, optimizers, schedulers, ...)")
         if isinstance(value, torch.optim.Optimizer):
             value.register_step_post_hook(self._optimizer_stepped)
-        self.objects[name] = dist.unwrap(value) if isinstance(value, nn.Module) else value
+        self.objects[name] = ddp.unwrap(value) if isinstance(value, nn.Module) else value
 
     def model(self) -> nn.Module:
         """The weights of every snapshot: the one registered model, or a ModuleDict of several."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import errors
-from .dist import all_gather, broadcast_bytes_from_main, broadcast_from_main
+from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
 from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyperparameters

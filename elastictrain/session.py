@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import dist
+from . import ddp, dist, launch_env
 from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, UsageError
@@ -125,7 +125,7 @@ class Session:
         return self
 
     def _setup(self) -> None:
-        launch = dist.detect_launch_env()
+        launch = launch_env.detect_launch_env()
         self._rank_label = str(launch.rank)
         setup_logging(launch.rank, launch.restart_count, self.cfg.log)
         self.state.threads.start()
@@ -156,7 +156,7 @@ class Session:
         self._in_setup("wrap")
         wrapped, sync = wrap_model_for(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
         self.grad_sync = sync or self.grad_sync
-        self.registry.wrapped.append(dist.unwrap(wrapped))
+        self.registry.wrapped.append(ddp.unwrap(wrapped))
         return wrapped
 
     def register(self, **statefuls: Any) -> None:

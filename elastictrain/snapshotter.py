@@ -32,7 +32,8 @@ from torch import nn
 from . import errors, failpoints
 from .background_write import BackgroundWrites
 from .config import Config
-from .dist import DistContext, all_gather, broadcast_from_main, gather_to_main
+from .collectives import all_gather, broadcast_from_main, gather_to_main
+from .dist import DistContext
 from .errors import ElastictrainError, StorageError, StorageUnavailable
 from .events import SnapshotReport
 from .lease_keeper import LeaseKeeper

@@ -39,7 +39,7 @@ class StepRunner:
         for micro, batch in enumerate(batches):
             with sync.micro_batch(micro, accum, step):
                 with self._autocast():
-                    loss, metrics = split_loss(self.model(batch))  # loss_fn inside DDP's forward: see dist.LossForward
+                    loss, metrics = split_loss(self.model(batch))  # loss_fn inside DDP's forward: see ddp.LossForward
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             session.log(batch_size_of(batch), **{"loss": loss, **metrics})

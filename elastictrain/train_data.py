@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset
 
-from . import dist
+from . import collectives, dist
 from .config import Config
 from .data import (
     Shard,
@@ -128,7 +128,7 @@ class TrainData:
         # A short or missing batch ends the epoch, as an incomplete step does for map-style data.
         ended = len(batches) < accum or any(batch_size_of(b) < self.cfg.train.batch_size for b in batches)
         if self.ctx.distributed:
-            ended = dist.all_reduce_sum(torch.tensor([float(ended)], dtype=torch.float64), self.ctx).item() > 0
+            ended = collectives.all_reduce_sum(torch.tensor([float(ended)], dtype=torch.float64), self.ctx).item() > 0
         return None if ended else batches
 
 

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from .dist import DistContext, all_reduce_sum, all_reduce_sum_start
+from .collectives import all_reduce_sum, all_reduce_sum_start
+from .dist import DistContext
 
 
 @dataclass(frozen=True)

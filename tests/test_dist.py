@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from elastictrain.config import DistConfig
-from elastictrain.dist import detect_launch_env, first_slurm_host, setup
+from elastictrain.dist import setup
 from elastictrain.errors import ConfigError, DistributedSetupError
+from elastictrain.launch_env import detect_launch_env, first_slurm_host
 
 TORCHRUN = {
     "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
@@ -71,7 +72,9 @@ def test_ddp_wrapping_options_on_a_real_one_rank_gloo_group():
     import torch.distributed as tdist
     from torch import nn
 
-    from elastictrain.dist import DistContext, LaunchEnv, unwrap, wrap_model
+    from elastictrain.ddp import unwrap, wrap_model
+    from elastictrain.dist import DistContext
+    from elastictrain.launch_env import LaunchEnv
 
     store = tdist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -103,8 +106,9 @@ def test_a_fatal_error_stops_later_rounds_and_not_its_own(recorded, restart, rou
 
     import torch.distributed as tdist
 
-    from elastictrain.dist import FATAL_KEY, LaunchEnv, check_no_fatal_error
+    from elastictrain.dist import FATAL_KEY, check_no_fatal_error
     from elastictrain.errors import RepeatedFatalError
+    from elastictrain.launch_env import LaunchEnv
 
     store = tdist.HashStore()
     store.set(FATAL_KEY, json.dumps({**recorded, "rank": 0, "exit_code": 1, "kind": "SnapshotError"}))
@@ -122,7 +126,8 @@ def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it
     import torch
     import torch.distributed as tdist
 
-    from elastictrain.dist import DistContext, LaunchEnv
+    from elastictrain.dist import DistContext
+    from elastictrain.launch_env import LaunchEnv
     from elastictrain.lease_keeper import job_token
 
     def token(run_id, store):

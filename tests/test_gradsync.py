@@ -13,9 +13,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.dist import DistContext
 from elastictrain.errors import ConfigError
 from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed, tree_sum_rows
+from elastictrain.launch_env import LaunchEnv
 from elastictrain.snapshot import params_sha256
 from elastictrain.stragglers import GradientSyncTimer
 

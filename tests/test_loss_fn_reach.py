@@ -3,7 +3,7 @@
 Two-part models (a generator and a discriminator, an encoder and a head) are often called part by
 part in the loss. Under DDP the loop's model was the DDP wrapper, which has no ``G``; and calling
 the inner module's parts would skip DDP's gradient all-reduce. The loop now runs loss_fn inside
-DDP's forward (``dist.LossForward``): loss_fn always gets the user's module, and the gradients it
+DDP's forward (``ddp.LossForward``): loss_fn always gets the user's module, and the gradients it
 makes are synced. Checked on the numbers: a loss_fn calling the parts ends with the very
 parameters of one calling ``model(x)``, on one worker and on two under real torchrun, and under
 torchrun both ranks see the same parameters at every step (unsynced gradients would split them).

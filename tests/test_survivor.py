@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from elastictrain.config import load_config
-from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.dist import DistContext
+from elastictrain.launch_env import LaunchEnv
 from elastictrain.reduce import WeightedSums
 from elastictrain.snapshot import History, Progress, load_object
 from elastictrain.snapshotter import Snapshotter

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from elastictrain.errors import LossFnError, SnapshotError
-from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.dist import DistContext
+from elastictrain.launch_env import LaunchEnv
 from elastictrain.reduce import WeightedSums
 from elastictrain.snapshot import load_object
 from elastictrain.task import Task, split_loss

@@ -7,7 +7,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from elastictrain.dist import DistContext, LaunchEnv
+from elastictrain.dist import DistContext
+from elastictrain.launch_env import LaunchEnv
 from elastictrain.vote import Requests, StepVote
 
 STEPS = 120

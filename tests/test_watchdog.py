@@ -15,9 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.events import RunInfo, TrainInterval
+from elastictrain.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, loop_position
 from elastictrain.states import State
 from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
-from elastictrain.watchdog import HUNG_EXIT_CODE, Heartbeat, SilentPeers, Watchdog, WatchdogSettings, allowance_s, diagnose
+from elastictrain.watchdog import HUNG_EXIT_CODE, Watchdog
 
 SETTINGS = WatchdogSettings(hang_timeout_s=30, step_multiple=10, first_step_s=600, restore_s=500, evaluate_s=1800, snapshot_s=700)
 
@@ -223,6 +224,31 @@ def test_the_heartbeat_says_where_the_loop_thread_is_and_whether_it_waits(store)
         watchdog.stop()
     assert published.rank == 0 and published.state == "SETUP"
     assert now.where.startswith("threading:") and now.where.endswith("in wait") and not now.waiting
+
+
+@pytest.mark.parametrize("module, waiting", [
+    ("elastictrain.collectives", True),  # a broadcast or all-reduce of elastictrain's own
+    ("elastictrain.ddp", True),  # DDP's construction broadcasts the parameters
+    ("elastictrain.dist", True),  # setup and teardown: the process group forms and ends together
+    ("torch.distributed.distributed_c10d", True),
+    ("tests.helpers.tasks", False),  # user code: a rank stuck there holds the others up
+])
+def test_a_loop_thread_blocked_inside_a_module_that_waits_for_peers_counts_as_waiting(module, waiting):
+    namespace = {"__name__": module}
+    exec("import time\ndef blocked(released):\n    while not released:\n        time.sleep(0.01)\n", namespace)
+    released: list[bool] = []
+    thread = threading.Thread(target=namespace["blocked"], args=(released,))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "in blocked" not in loop_position(thread.ident)[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        where, found_waiting = loop_position(thread.ident)
+    finally:
+        released.append(True)
+        thread.join()
+    assert where.startswith(f"{module}:") and where.endswith("in blocked")
+    assert found_waiting is waiting
 
 
 # -- stragglers ---------------------------------------------------------------------------------

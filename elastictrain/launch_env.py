@@ -1,0 +1,88 @@
+"""What the launcher told this process: rank, world size and store address, read once from the environment.
+
+Rank and world size are decided here once; nothing else reads RANK or SLURM_* variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import DistributedSetupError
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process, read once from the environment."""
+
+    launcher: str  # "torchrun", "slurm", "env" (RANK/WORLD_SIZE set by hand) or "none"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0
+    run_id: str = "local"
+    uses_agent_store: bool = False
+    node_rank: int = 0  # GROUP_RANK under torchrun, SLURM_NODEID under srun
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """torchrun variables win over SLURM ones (torchrun inside srun); plain RANK/WORLD_SIZE last."""
+    env = os.environ if environ is None else environ
+    try:
+        if "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env:
+            return LaunchEnv(
+                launcher="torchrun",
+                rank=int(env["RANK"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+                uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                node_rank=int(env.get("GROUP_RANK", "0")),
+            )
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            job_id = env.get("SLURM_JOB_ID", "0")
+            return LaunchEnv(
+                launcher="slurm",
+                rank=int(env["SLURM_PROCID"]),
+                local_rank=int(env.get("SLURM_LOCALID", "0")),
+                world_size=int(env["SLURM_NTASKS"]),
+                master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+                # A port derived from the job id lets two jobs share a head node without clashing.
+                master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
+                restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
+                run_id=f"slurm-{job_id}",
+                node_rank=int(env.get("SLURM_NODEID", "0")),
+            )
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return LaunchEnv(
+                launcher="env",
+                rank=int(env["RANK"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                world_size=int(env["WORLD_SIZE"]),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", "29500")),
+            )
+    except (KeyError, ValueError) as exc:
+        raise DistributedSetupError(
+            f"incomplete launch environment: {type(exc).__name__} {exc}; launch with torchrun or srun, "
+            "or set dist.distributed=false to train in this one process"
+        ) from None
+    return LaunchEnv(launcher="none")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return nodelist
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
