@@ -8,9 +8,7 @@ the key path, what was given, what is expected and, for a misspelt key, the clos
 from __future__ import annotations
 
 import copy
-import difflib
 import os
-import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -28,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from .config_errors import describe, yaml_problem
 from .errors import ConfigError
 
 DEFAULT_TASK_FACTORY = "elastictrain.tasks.spirals:build"
@@ -142,19 +141,6 @@ class SnapshotConfig(_Section):
     durable: DurableTierConfig = Field(default_factory=DurableTierConfig)
     local: LocalTierConfig = Field(default_factory=LocalTierConfig)
 
-
-# Keys renamed when the tiers got a section each (and durations one unit style, *_s): a config
-# that still sets one is refused with a message naming its new key.
-RENAMED_KEYS = {
-    **{f"snapshot.{key}": f"snapshot.durable.{key}" for key in (
-        "url", "every_steps", "keep_last", "on_done", "async_write", "storage_options", "on_error", "retry_for_s",
-        "lease_stale_after_s")},
-    "snapshot.every_seconds": "snapshot.durable.every_s",
-    **{f"snapshot.local_{key}": f"snapshot.local.{key}" for key in (
-        "url", "every_steps", "mtbf_prior_s", "keep_last", "async_write")},
-    "snapshot.local_every_seconds": "snapshot.local.every_s",
-    "snapshot.survivor_copies": "snapshot.local.survivor_copies",
-}
 
 
 class PreemptConfig(_Section):
@@ -345,7 +331,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(raw)
     except ValidationError as exc:
         # A value checked against a union (bool | 'auto') fails once per member: one message per key.
-        messages = dict.fromkeys(_describe(e) for e in exc.errors())
+        messages = dict.fromkeys(describe(e, Config) for e in exc.errors())
         raise ConfigError(f"invalid config ({source}): " + "; ".join(messages)) from None
 
 
@@ -385,96 +371,6 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(
-            f"override {override!r}: the value of {key} is not valid YAML ({_yaml_problem(exc)}); "
+            f"override {override!r}: the value of {key} is not valid YAML ({yaml_problem(exc)}); "
             "values are parsed as YAML (64, 1e-3, true, null, [1, 2], {a: 1}): fix it, or put it in quotes to pass a string"
         ) from None
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """PyYAML's error in one short phrase: what it was parsing, what went wrong, and at which column."""
-    context, problem, mark = (getattr(exc, name, None) for name in ("context", "problem", "problem_mark"))
-    if not problem:
-        return " ".join(str(exc).split())
-    where = f" at column {mark.column + 1}" if mark is not None else ""
-    return f"{context}: {problem}{where}" if context else f"{problem}{where}"
-
-
-def _describe(error: dict[str, Any]) -> str:
-    kind = error["type"]
-    loc = [str(p) for p in error["loc"]]
-    if not loc and kind == "value_error":  # a check across sections (a model_validator): its own sentence
-        return str(error["ctx"]["error"])
-    path = loc if kind == "extra_forbidden" else _key_path(loc)
-    key = ".".join(path)
-    if len(path) < len(loc):  # the loc went on into union members: name the key, not the member
-        return f"'{key}' = {error.get('input')!r} is invalid ({_expected_type(path)})"
-    if kind == "extra_forbidden" and key in RENAMED_KEYS:
-        return f"unknown key '{key}' (renamed: use '{RENAMED_KEYS[key]}')"
-    if kind == "extra_forbidden":
-        valid = _fields_at(path[:-1])
-        in_seconds = path[-1].replace("_seconds", "_s")  # every duration key ends in _s
-        close = [in_seconds] if in_seconds in valid else difflib.get_close_matches(path[-1], valid, n=1)
-        hint = f"did you mean '{'.'.join(path[:-1] + close)}'?" if close else f"valid keys here: {', '.join(valid)}"
-        return f"unknown key '{key}' ({hint})"
-    section = _model_at(path)
-    if kind == "model_type" and section is not None:  # e.g. snapshot.local=/dev/shm
-        return (f"'{key}' = {error.get('input')!r} is invalid: it is a section, not a value; set its keys "
-                f"({', '.join(section.model_fields)}), e.g. {key}.{next(iter(section.model_fields))}=...")
-    expected = _expected_type(path)
-    if kind == "missing":
-        return f"'{key}' is required ({expected}) but missing"
-    return f"'{key}' = {error.get('input')!r} is invalid: {error['msg']} ({expected})"
-
-
-def _key_path(loc: list[str]) -> list[str]:
-    """The part of a pydantic error location that names config keys (not union members)."""
-    path: list[str] = []
-    model: type[BaseModel] | None = Config
-    for part in loc:
-        if model is None or part not in model.model_fields:
-            break
-        path.append(part)
-        model = _model_at(path)
-    return path
-
-
-def _model_at(path: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Config
-    for part in path:
-        field = model.model_fields.get(part) if model else None
-        annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return model
-
-
-def _fields_at(path: list[str]) -> list[str]:
-    model = _model_at(path)
-    return list(model.model_fields) if model else []
-
-
-def _expected_type(path: list[str]) -> str:
-    model = _model_at(path[:-1])
-    field = model.model_fields.get(path[-1]) if model else None
-    if field is None:
-        return "see conf/default.yaml"
-    text = _type_name(field.annotation)
-    for constraint in field.metadata:
-        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            if getattr(constraint, attr, None) is not None:
-                text += f" {symbol} {getattr(constraint, attr)}"
-    return f"expected {text}"
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
-    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return "null"
-    if origin is list:  # name what each item may be: "expected list" alone hides the valid values
-        return "list, each " + _type_name(typing.get_args(annotation)[0])
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(annotation)[0])
-    return getattr(annotation, "__name__", str(annotation))

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from elastictrain.config import RENAMED_KEYS, Config, _model_at, load_config
+from elastictrain.config import Config, load_config
+from elastictrain.config_errors import RENAMED_KEYS, _model_at
 from elastictrain.errors import ConfigError
 from tests.conftest import python_command
 
@@ -123,7 +124,7 @@ def test_storage_options_are_refused_only_where_fsspec_would_ignore_them(url, lo
 @pytest.mark.parametrize("old, new", sorted(RENAMED_KEYS.items()))
 def test_a_key_from_before_the_tier_sections_is_refused_naming_its_new_key(tmp_path, old, new):
     section, key = new.rsplit(".", 1)
-    assert key in _model_at(section.split(".")).model_fields
+    assert key in _model_at(section.split("."), Config).model_fields
     value = load_config().model_dump()
     for part in new.split("."):
         value = value[part]
@@ -146,7 +147,7 @@ NOT_DURATIONS = {"train.clip_grad_norm", "watchdog.step_multiple", "stragglers.f
 
 def _leaves(model, prefix=""):
     for name, field in model.model_fields.items():
-        inner = _model_at((prefix + name).split("."))
+        inner = _model_at((prefix + name).split("."), Config)
         yield from _leaves(inner, f"{prefix}{name}.") if inner is not None else [(prefix + name, field)]
 
 
