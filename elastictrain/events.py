@@ -35,6 +35,14 @@ class RunInfo:
     store: Any = None
     round_id: str = ""  # the rendezvous round's nonce, the same on all its ranks (keys of this round only)
 
+    @classmethod
+    def of(cls, ctx: Any, run_dir: str, total_steps: int) -> "RunInfo":
+        """From a ``dist.DistContext`` (typed loosely: events imports nothing of the package's)."""
+        env = ctx.env
+        return cls(rank=ctx.rank, local_rank=env.local_rank, world_size=ctx.world_size, node_rank=env.node_rank,
+                   restart_count=env.restart_count, launcher=env.launcher, run_dir=run_dir, total_steps=total_steps,
+                   store=ctx.run_store, round_id=ctx.round_id)
+
 
 @dataclass(frozen=True)
 class TrainInterval:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import Config
 from .snapshot import Progress
 from .states import State
 from .vote import Requests
@@ -26,6 +27,13 @@ class Plan:
     snapshot_every_steps: int
     snapshot_on_done: bool
     local_every_steps: int = 0  # the fast tier's interval (0: off)
+
+    @classmethod
+    def of(cls, cfg: Config, *, epochs: bool, evaluates: bool, fast_tier: bool) -> "Plan":
+        """A run without data (``epochs`` False) has no epochs to end it: train.max_steps does."""
+        train, snapshot = cfg.train, cfg.snapshot
+        return cls(train.max_epochs if epochs else 2**62, train.max_steps, train.eval_every_epochs, evaluates,
+                   snapshot.durable.every_steps, snapshot.durable.on_done, snapshot.local.every_steps if fast_tier else 0)
 
 
 def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> State:

@@ -92,15 +92,9 @@ class Session:
     world_size = property(lambda self: self._context().world_size)
     is_main = property(lambda self: self._context().is_main)
 
-    @property
-    def done(self) -> bool:
-        """The run reached DONE (or stopped): no more steps."""
-        return self.machine.finished
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step: train.grad_accum_steps, or what the elastic policy chose at RESTORE."""
-        return self.shard.grad_accum_steps
+    done = property(lambda self: self.machine.finished)  # DONE (or stopped): no more steps
+    # Micro-batches per optimizer step: train.grad_accum_steps, or what the elastic policy chose at RESTORE.
+    grad_accum_steps = property(lambda self: self.shard.grad_accum_steps)
 
     @property
     def total_steps(self) -> int:
@@ -203,17 +197,10 @@ class Session:
             self.cfg, self.ctx, model, {**self.registry.statefuls(), **self.state.statefuls()}, self.state, self.events,
             train_samples=data.samples if data else None, rank_statefuls=data.rank_statefuls if data else {},
             pending_sums=self.metrics.sums.pending, survivors_refused=survivors_refused)
-        self.plan = Plan(
-            self.cfg.train.max_epochs if data else 2**62, self.cfg.train.max_steps, self.cfg.train.eval_every_epochs,
-            self._evaluate is not None, self.cfg.snapshot.durable.every_steps, self.cfg.snapshot.durable.on_done,
-            self.cfg.snapshot.local.every_steps if self.tiers.local else 0,
-        )
+        self.plan = Plan.of(self.cfg, epochs=data is not None, evaluates=self._evaluate is not None,
+                            fast_tier=self.tiers.local is not None)
         ctx = self.ctx
-        self.events.started(RunInfo(
-            rank=ctx.rank, local_rank=ctx.env.local_rank, world_size=ctx.world_size, node_rank=ctx.env.node_rank,
-            restart_count=ctx.env.restart_count, launcher=ctx.env.launcher, run_dir=self.cfg.run_dir,
-            total_steps=self.total_steps, store=ctx.run_store, round_id=ctx.round_id,
-        ))
+        self.events.started(RunInfo.of(ctx, self.cfg.run_dir, self.total_steps))
         self.machine.transition(State.RESTORE, self.global_step)
         restored = self.tiers.restore()
         if restored is None:
@@ -361,19 +348,9 @@ class Session:
         self.metrics.reduce(self.shard.samples_per_step)
         self._mark()  # the sums are now in the history (and a stream's epoch may have ended)
 
-    # -- survivor copies ---------------------------------------------------------------------
-
     def _mark(self, step: int | None = None) -> None:
-        if self.tiers is not None and self.tiers.survivors is not None:
-            self.tiers.mark(step)
-            self.registry.optimizer_steps = 0  # counted from here: a copy of this step refuses half a step
-
-    def _write_survivor_copy(self) -> None:
-        if not self._marks_ahead and self.registry.optimizer_steps:
-            log.info("no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
-                     "the restart reads the newest fast copy", self.global_step)
-            return
-        self.tiers.write_survivor_copy(self.metrics.record, self._meta(), self._rank_label, time.monotonic() - self._started)
+        if self.tiers is not None:
+            self.tiers.mark(step, self.registry)
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -406,8 +383,9 @@ class Session:
         lost = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx, self.cfg.preempt.requeue)
         if lost is not None:
             self._peer_lost = True
-            if self.tiers is not None and self.tiers.survivors is not None and state is State.TRAIN:
-                self._write_survivor_copy()
+            if self.tiers is not None and state is State.TRAIN:
+                self.tiers.write_survivor_copy(self.metrics.record, self._meta(), self._rank_label,
+                                               time.monotonic() - self._started, self.registry, self._marks_ahead)
         if not self.machine.finished:
             self.machine.transition(State.FAILED, self.global_step)
         return lost

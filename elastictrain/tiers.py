@@ -20,6 +20,7 @@ from .cadence import FastTierTimer
 from .config import Config
 from .dist import DistContext
 from .events import Observers, SnapshotReport
+from .registry import Registry
 from .runstate import RunState
 from .restore import Restored
 from .snapshotter import Snapshotter
@@ -120,15 +121,23 @@ class SnapshotTiers:
         self.state.run_log.current["wall_s"] = wall_s
         self._report(self.local.save(progress.global_step, meta))
 
-    def mark(self, step: int | None = None) -> None:
+    def mark(self, step: int | None, registry: Registry) -> None:
         """This rank's part of a survivor copy of ``step`` (default: the current one)."""
         if self.survivors is not None:
             self.survivors.mark(self.ctx.device, step=step)
+            registry.optimizer_steps = 0  # counted from here: a copy of this step refuses half a step
 
     def write_survivor_copy(self, record: Callable[[dict[str, float]], Any], meta: dict[str, Any], rank: str,
-                            wall_s: float) -> None:
-        """A peer died while training: the node's lowest survivor writes the last step every rank completed."""
+                            wall_s: float, registry: Registry, marked_ahead: bool) -> None:
+        """A peer died while training: the node's lowest survivor writes the last step every rank completed.
+
+        A custom loop marks at each step's end (``marked_ahead`` False): a registered optimizer that has
+        stepped since then holds half a step (a GAN between its D and G steps), so no copy is written."""
         if self.survivors is None:
+            return
+        if not marked_ahead and registry.optimizer_steps:
+            log.info("no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
+                     "the restart reads the newest fast copy", self.state.progress.global_step)
             return
 
         def complete(means: dict[str, float]) -> None:  # what a snapshot of this step would have recorded
