@@ -54,11 +54,11 @@ class Health:
 
     def post(self, tiers: SnapshotTiers, step: int) -> Requests:
         """At a step boundary: what the ranks agreed at the previous vote; this rank's requests travel meanwhile."""
-        return self.vote.post(lambda: self.requests(tiers, step))
+        return self.vote.post(lambda: self.requests(tiers, step), step)
 
     def settle(self, tiers: SnapshotTiers, step: int) -> Requests:
         """Leaving a state: nothing in flight, everything every rank asked for."""
-        return self.vote.settle(self.requests(tiers, step))
+        return self.vote.settle(self.requests(tiers, step), step)
 
     def announce(self, step: int) -> None:
         """Once, at the step a signal arrived in (the vote that acts on it may come later)."""

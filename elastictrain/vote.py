@@ -16,6 +16,11 @@ noise. A request can wait that long: a signal leaves the job ~30 s to stop. Rank
 0 measures the step time between votes and proposes the number of steps to the next vote inside
 the vote itself, so every rank reads the same cadence at the same step and they never disagree
 on which boundaries vote.
+
+The vote also carries each rank's step (its residue mod 2**20, and that squared): the sums say
+whether every rank votes from the same step (they do exactly when W * sum(s**2) == sum(s)**2).
+A custom loop that calls ``session.step()`` on some ranks only, or twice, is then one
+``UsageError`` at the next vote instead of ranks training on at different data positions.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from .collectives import all_reduce_sum, all_reduce_sum_start
+from .errors import UsageError
 from .dist import DistContext
 
 
@@ -45,6 +51,7 @@ class Requests:
 
 
 NOTHING = Requests()
+_STEP_RESIDUES = 1 << 20  # int64 sums of squared residues stay exact up to 2**23 ranks
 MAX_STEPS_BETWEEN_VOTES = 64  # bounds the delay in steps too, whatever the step time
 
 
@@ -64,7 +71,7 @@ class StepVote:
         self._window: tuple[float, int] | None = None  # rank 0: (time, steps) since the last post
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def post(self, local: Callable[[], Requests]) -> Requests:
+    def post(self, local: Callable[[], Requests], step: int = 0) -> Requests:
         """At a voting boundary, start exchanging ``local()`` and return the agreed result of the previous post."""
         if not self.ctx.distributed:
             return local()
@@ -74,17 +81,17 @@ class StepVote:
                 self._window = (self._window[0], self._window[1] + 1)
             return NOTHING
         agreed = self._collect()
-        values = self._tensor(local(), self._proposal())
+        values = self._tensor(local(), self._proposal(), step)
         self._pending = (all_reduce_sum_start(values, self.ctx), values)
         self._countdown = self.steps_between
         return agreed
 
-    def settle(self, local: Requests) -> Requests:
+    def settle(self, local: Requests, step: int = 0) -> Requests:
         """Finish anything in flight, exchange ``local`` synchronously, return everything agreed."""
         if not self.ctx.distributed:
             return local
         agreed = self._collect()
-        settled = self._read(all_reduce_sum(self._tensor(local, 0), self.ctx))
+        settled = self._read(all_reduce_sum(self._tensor(local, 0, step), self.ctx))
         self._countdown, self._window = 0, None  # the next boundary votes; time outside TRAIN is no step time
         return agreed | settled
 
@@ -99,12 +106,20 @@ class StepVote:
         step_s = (now - window[0]) / window[1]
         return max(1, min(MAX_STEPS_BETWEEN_VOTES, math.floor(self.every_s / step_s) if step_s > 0 else MAX_STEPS_BETWEEN_VOTES))
 
-    def _tensor(self, local: Requests, proposal: int) -> torch.Tensor:
-        flags = [float(getattr(local, f.name)) for f in fields(Requests)]
-        return torch.tensor([*flags, float(proposal)], dtype=torch.float32, device=self.ctx.device)
+    def _tensor(self, local: Requests, proposal: int, step: int) -> torch.Tensor:
+        flags = [int(getattr(local, f.name)) for f in fields(Requests)]
+        residue = step % _STEP_RESIDUES
+        return torch.tensor([*flags, proposal, residue, residue * residue], dtype=torch.int64, device=self.ctx.device)
 
     def _read(self, values: torch.Tensor) -> Requests:
         numbers = values.cpu().tolist()
+        total, squares = numbers[-2], numbers[-1]
+        if self.ctx.world_size * squares != total * total:
+            raise UsageError(
+                f"the ranks voted from different steps (mean {total / self.ctx.world_size:g}): session.step() must be "
+                "called on every rank, once per optimizer step, in the same order as every other rank's"
+            )
+        numbers = numbers[:-2]
         if numbers[-1] >= 1:  # 0 from settle: keep the cadence
             self.steps_between = int(numbers[-1])
         return Requests(**{f.name: numbers[i] > 0 for i, f in enumerate(fields(Requests))})

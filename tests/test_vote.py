@@ -80,3 +80,43 @@ def test_a_zero_interval_votes_at_every_step():
     for voted, agreed, cadence in results.values():
         assert voted == list(range(1, STEPS + 1))
         assert agreed == RAISED_AT + 1 and set(cadence) == {1}
+
+
+def _skewed_rank(rank: int, port: int, results) -> None:
+    store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
+        vote = StepVote(ctx, 0.0)
+        try:
+            for step in range(1, 6):
+                # Rank 1 called session.step() once more than rank 0 before step 3's vote (a step on one rank only).
+                vote.post(Requests, step + (rank == 1 and step >= 3))
+            vote.settle(Requests(), 5 + rank)
+            results.put((rank, "no error"))
+        except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+            results.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_ranks_voting_from_different_steps_stop_with_one_line_on_every_rank():
+    from tests.helpers import ranks
+    from tests.helpers.agents import free_port
+
+    context = ranks.context()
+    results, port = context.Queue(), free_port()
+    workers = [context.Process(target=_skewed_rank, args=(rank, port, results)) for rank in (0, 1)]
+    for worker in workers:
+        worker.start()
+    try:
+        said = dict(results.get(timeout=60) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    for rank in (0, 1):
+        assert said[rank].startswith("UsageError: the ranks voted from different steps (mean 3.5): session.step() must "
+                                     "be called on every rank"), said
