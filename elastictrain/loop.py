@@ -86,6 +86,7 @@ class Trainer:
     progress = property(lambda self: self.session.progress)
     history = property(lambda self: self.session.history)
     run_log = property(lambda self: self.session.state.run_log)
+    summary = property(lambda self: self.session.summary)  # after fit(): what it returned
 
     @property
     def total_steps(self) -> int:

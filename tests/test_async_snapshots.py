@@ -64,7 +64,8 @@ def assert_same(a, b, where: str) -> None:
 
 
 def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeypatch):
-    blocking = run(memory_url(), async_write=False)
+    blocking_url = memory_url()
+    blocking = run(blocking_url, async_write=False)
 
     # Slow every background write down, and note the step training had reached when it ended.
     steps_when_written: list[tuple[int, int]] = []
@@ -88,7 +89,7 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     background.fit()
 
     assert background.summary.params_sha256 == blocking.summary.params_sha256
-    expected, written = snapshot_contents(blocking.snapshots.url), snapshot_contents(url)
+    expected, written = snapshot_contents(blocking_url), snapshot_contents(url)
     assert sorted(written) == sorted(expected) == list(range(10, 61, 10)) + [64]
     for step in expected:  # the bytes of step N, not of whatever step training reached during the write
         assert_same(written[step], expected[step], f"step {step}")
