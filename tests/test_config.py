@@ -71,6 +71,7 @@ def test_unreadable_files_are_clear(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
