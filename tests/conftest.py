@@ -27,9 +27,9 @@ SLOW_FIXTURES = {
 
 
 def pytest_collection_modifyitems(items):
-    """Tiers: a test is `slow` when it starts processes or servers (its `torchrun` or `slow` marker, or a fixture
-    of SLOW_FIXTURES); every other test is `fast`. `python -m pytest -m fast` runs the fast tier alone;
-    `python -m pytest` (.ci/run) runs every tier."""
+    """Tiers: a test is `slow` when it starts processes or servers, or trains for seconds in this process (its
+    `torchrun` or `slow` marker, or a fixture of SLOW_FIXTURES); every other test is `fast`. `python -m pytest
+    -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier."""
     for item in items:
         if item.get_closest_marker("torchrun") or not SLOW_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.slow)
