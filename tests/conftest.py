@@ -17,6 +17,26 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.helpers.s3"]  # s3_server, s3_bucket: a real SeaweedFS S3 server
 
 
+# Fixtures that start a server or a job: a test using one is slow, whatever its own body does.
+SLOW_FIXTURES = {
+    "s3_server", "s3_bucket",  # SeaweedFS (tests/helpers/s3.py)
+    "prometheus_path",  # a real Prometheus server (tests/test_metrics.py)
+    "cluster",  # SLURM: slurmctld, slurmd, munged (tests/test_launch_slurm.py)
+    "reference_run", "elastic_run",  # torchrun jobs shared by a session or a module
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Tiers: a test is `slow` when it starts processes or servers, or trains for seconds in this process (its
+    `torchrun` or `slow` marker, or a fixture of SLOW_FIXTURES); every other test is `fast`. `python -m pytest
+    -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier."""
+    for item in items:
+        if item.get_closest_marker("torchrun") or not SLOW_FIXTURES.isdisjoint(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture(autouse=True)
 def _reap():
     yield from procs.reap_fixture()

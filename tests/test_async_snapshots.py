@@ -63,6 +63,7 @@ def assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeypatch):
     blocking_url = memory_url()
     blocking = run(blocking_url, async_write=False)
@@ -99,6 +100,7 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     assert all(r.write_s >= 0.3 for r in reports.reports)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing_step", [20, 64])  # 64: the final snapshot, waited for before DONE
 def test_a_background_write_that_fails_for_good_stops_the_run_at_the_next_step(monkeypatch, failing_step):
     real_commit = SnapshotStore.commit

@@ -34,6 +34,7 @@ RANK0_DIES_FIRST = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_rank_whose_peer_died_before_the_group_formed_ends_on_sigterm_and_says_what_it_waited_for(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(RANK0_DIES_FIRST)
@@ -60,6 +61,7 @@ def worker_stderr(log_dir: Path) -> dict[tuple[int, int], str]:
 TORCH_IMPORTED = re.compile(r"^import time:.*\|\s+torch$", re.MULTILINE)  # python -X importtime: the package itself
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
     ("train.bach_size=3", "invalid config (defaults + overrides): unknown key 'train.bach_size' (did you mean "
                           "'train.batch_size'?)"),

@@ -180,6 +180,7 @@ def test_without_a_store_retraining_counts_as_productive():
     assert attempt.seconds_by_cause()["productive"] == pytest.approx(3.0)
 
 
+@pytest.mark.slow
 def test_process_age_counts_from_process_creation_or_the_last_run_in_it():
     # A fresh interpreter that waits 0.3 s has been alive at least that long.
     code = "import time; time.sleep(0.3); from elastictrain.goodput import process_age_s_now; print(process_age_s_now())"

@@ -97,12 +97,14 @@ def in_one_process(mode: str, dropout: float) -> str:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_virtual_shards_end_bitwise_equal_at_one_two_and_four_ranks_with_dropout():
     alone = in_one_process("virtual", dropout=0.3)  # the whole tree on one rank
     assert on_ranks(2, "virtual", dropout=0.3) == alone  # two shards each, then one exchange
     assert on_ranks(4, "virtual", dropout=0.3) == alone  # one shard each, then two exchanges
 
 
+@pytest.mark.slow
 def test_ddp_accumulation_sums_in_another_order_at_another_world_size():
     """What the bitwise-elastic mode is for: without dropout, the same samples still end in other bits."""
     assert on_ranks(2, "ddp", dropout=0.0) != in_one_process("ddp", dropout=0.0)

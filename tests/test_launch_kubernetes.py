@@ -83,6 +83,7 @@ def _quantities_as_strings(value, under_resources: bool = False):
     return str(value) if under_resources and isinstance(value, (int, float)) else value
 
 
+@pytest.mark.slow
 def test_pytorchjob_matches_the_operator_sdk_models():
     training = pytest.importorskip("kubeflow.training", reason="the test extra installs kubeflow-training (the operator's SDK)")
     (job,) = [doc for doc in documents(PYTORCHJOB) if doc["kind"] == "PyTorchJob"]

@@ -32,12 +32,14 @@ def alert_rules() -> list[dict]:
     return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
 
+@pytest.mark.slow
 def test_alert_rules_pass_promtool_check(promtool):
     run = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"SUCCESS: {len(EXPECTED_ALERTS)} rules found" in run.stdout
 
 
+@pytest.mark.slow
 def test_every_alert_fires_and_stays_silent_as_its_unit_tests_say(promtool):
     run = subprocess.run([promtool, "test", "rules", ALERT_TESTS.name], cwd=MONITORING,
                          capture_output=True, text=True, timeout=120)

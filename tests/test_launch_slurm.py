@@ -104,16 +104,7 @@ def test_srun_template_trains_the_default_job_at_world_size_from_slurm(unbroken)
 
 def test_preempted_job_exits_143_and_the_same_command_resumes_with_no_lost_step(cluster, unbroken, tmp_path):
     job = submit(cluster, tmp_path, "preempted", ["preempt.requeue=false"])  # the template passes true
-    cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
-    # What `scancel` and a preemption send: TERM to every task of the job's steps.
-    cluster.scancel(job, "--signal=TERM")
-    info = cluster.wait_job(job, JOB_TIMEOUT_S)
-    output = job.output()
-    assert "run summary: state=DONE" not in output, "the signal came after the job had finished; aim it earlier"
-    assert info["ExitCode"] == "143:0", f"{info['JobState']} {info['ExitCode']}\n{output[-4000:]}"
-    stopped_step = preempted_step(output)
-    manifest, _ = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
-    assert manifest.step == stopped_step, "the preemption snapshot is the newest valid one"
+    stopped_step = preempt_with_term(cluster, job, tmp_path / "run")
 
     again = run_to_end(cluster, submit(cluster, tmp_path, "resumed"))
     assert (again.info["JobState"], again.info["ExitCode"]) == ("COMPLETED", "0:0"), again.job.output()[-4000:]
@@ -146,15 +137,23 @@ def test_cpu_template_under_elastictrain_run_exits_143_after_a_preemption(cluste
     }
     job = cluster.sbatch(ONE_NODE_CPU, [f"run.dir={tmp_path / 'run'}", *OVERRIDES, "preempt.requeue=false"],
                          options=["--job-name=cpu", f"--chdir={tmp_path}"], env=env, output_path=tmp_path / "cpu.out")
+    preempt_with_term(cluster, job, tmp_path / "run")
+    assert "Traceback" not in job.output(), job.output()[-4000:]
+
+
+def preempt_with_term(cluster: SlurmCluster, job: Job, run_dir: Path) -> int:
+    """Once the job trains, send what `scancel` and a preemption send (TERM to every task of the job's steps);
+    the job must exit 143 with its preemption snapshot the newest valid one. Returns the step it stopped at."""
     cluster.wait_output(job, PROGRESS, JOB_TIMEOUT_S)
     cluster.scancel(job, "--signal=TERM")
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
     output = job.output()
     assert "run summary: state=DONE" not in output, "the signal came after the job had finished; aim it earlier"
     assert info["ExitCode"] == "143:0", f"{info['JobState']} {info['ExitCode']}\n{output[-4000:]}"
-    assert "Traceback" not in output, output[-4000:]
-    manifest, _ = SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()
-    assert manifest.step == preempted_step(output)
+    stopped_step = preempted_step(output)
+    manifest, _ = SnapshotStore(str(run_dir / "snapshots")).latest_valid()
+    assert manifest.step == stopped_step, "the preemption snapshot is the newest valid one"
+    return stopped_step
 
 
 def preempted_step(output: str) -> int:

@@ -79,6 +79,7 @@ def test_single_node_script_trains_one_worker_per_process_asked(tmp_path):
     assert (summary["state"], summary["step"], summary["world_size"]) == ("DONE", "20", "2")
 
 
+@pytest.mark.slow
 def test_multi_node_script_refuses_to_start_without_endpoint_or_run_id(tmp_path):
     for missing in ("RDZV_ENDPOINT", "RDZV_ID"):
         env = {"RDZV_ENDPOINT": "127.0.0.1:29400", "RDZV_ID": "x", "TORCHRUN": "false"}

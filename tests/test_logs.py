@@ -6,10 +6,13 @@ import json
 import re
 import uuid
 
+import pytest
+
 from elastictrain import Trainer, seed_everything
 from elastictrain.tasks import spirals
 
 
+@pytest.mark.slow
 def test_lines_carry_rank_attempt_milliseconds_and_throughput_and_rank0_writes_json_lines(tmp_path, capfd):
     seed_everything(0)
     Trainer.from_task(spirals.build(train_samples=512, val_samples=128, hidden=16), {

@@ -26,6 +26,8 @@ from elastictrain.tasks.spirals import make_spirals
 from tests.conftest import job_env, parse_job, python_command, torchrun_command
 from tests.helpers import procs
 
+pytestmark = pytest.mark.slow  # a worker process per run, two runs per test
+
 
 class TwoParts(nn.Module):
     def __init__(self) -> None:
@@ -60,24 +62,29 @@ def build(reach: str, trace_dir: str) -> Task:
                 train_data=make_spirals(256, 3, 0.1, seed=3), loss_fn=functools.partial(traced, loss_fn, trace_dir))
 
 
-def final_params(tmp_path: Path, reach: str, workers: int) -> tuple[str, list[list[str]]]:
-    """The run's final params_sha256, and each rank's parameters at every step."""
+def launch(tmp_path: Path, reach: str, workers: int) -> procs.Launched:
     trace_dir = tmp_path / f"trace-{reach}"
     trace_dir.mkdir()
     overrides = [f"task.factory={__name__}:build", f"task.args.reach={reach}", f"task.args.trace_dir={trace_dir}",
                  "train.max_steps=6", "train.batch_size=16", f"run.dir={tmp_path / reach}", "log.plots=false"]
     command = python_command(overrides) if workers == 1 else torchrun_command(overrides, nproc=workers, max_restarts=0)
-    job = procs.launch(command, log_path=tmp_path / f"{reach}.log", env={**job_env(), "OMP_NUM_THREADS": "1"},
-                       cwd=tmp_path)
+    return procs.launch(command, log_path=tmp_path / f"{reach}.log", env={**job_env(), "OMP_NUM_THREADS": "1"},
+                        cwd=tmp_path)
+
+
+def final_params(tmp_path: Path, reach: str, job: procs.Launched, workers: int) -> tuple[str, list[list[str]]]:
+    """The run's final params_sha256, and each rank's parameters at every step."""
     assert job.wait(120) == 0, job.output()[-4000:]
-    traces = [(trace_dir / f"rank-{rank}").read_text().split() for rank in range(workers)]
+    traces = [(tmp_path / f"trace-{reach}" / f"rank-{rank}").read_text().split() for rank in range(workers)]
     return parse_job(job.output()).summary["params_sha256"], traces
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.torchrun)])
 def test_a_loss_fn_calling_the_models_parts_trains_as_one_calling_the_model(tmp_path, workers):
-    parts, parts_traces = final_params(tmp_path, "parts", workers)
-    forward, _ = final_params(tmp_path, "forward", workers)
+    # The two runs side by side (directories of their own, one intra-op thread per process).
+    jobs = {reach: launch(tmp_path, reach, workers) for reach in ("parts", "forward")}
+    parts, parts_traces = final_params(tmp_path, "parts", jobs["parts"], workers)
+    forward, _ = final_params(tmp_path, "forward", jobs["forward"], workers)
     assert parts == forward
     assert len(parts_traces[0]) == 6
     assert all(trace == parts_traces[0] for trace in parts_traces)  # synced: every rank steps to the same weights

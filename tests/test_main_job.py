@@ -47,6 +47,7 @@ def single_process(tmp_path: Path, extra: list[str]) -> list[str]:
     ])
 
 
+@pytest.mark.slow
 def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
     for name in ("ref", "faulted"):
         (tmp_path / name / "trace").mkdir(parents=True)

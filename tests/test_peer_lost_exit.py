@@ -45,6 +45,7 @@ def run_worker(tmp_path, error: str) -> tuple[subprocess.CompletedProcess, bool]
     return done, marker.exists()
 
 
+@pytest.mark.slow
 def test_a_rank_that_lost_a_peer_says_so_flushes_and_leaves_without_finalizing(tmp_path):
     done, finalized = run_worker(tmp_path, "PeerLost")
     assert done.returncode == 1
@@ -56,6 +57,7 @@ def test_a_rank_that_lost_a_peer_says_so_flushes_and_leaves_without_finalizing(t
     assert not finalized
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error", ["SnapshotError", "StorageError"])
 def test_other_errors_end_the_interpreter_as_usual(tmp_path, error):
     done, finalized = run_worker(tmp_path, error)
@@ -85,6 +87,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signalled", [True, False], ids=["sigterm-held", "no-signal"])
 def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, signalled):
     marker = tmp_path / "finalized"

@@ -81,6 +81,7 @@ def red_pixels(path) -> int:
     return int(red.sum())
 
 
+@pytest.mark.slow
 def test_write_plots_draws_one_png_per_metric_with_the_restart_marked(tmp_path):
     attempts = [A(restart_count=0, world_size=2, start_step=0), A(restart_count=1, world_size=1, start_step=200)]
     paths = write_plots(history(), attempts, tmp_path / "plots", run_name="demo")
@@ -99,6 +100,7 @@ def test_write_plots_with_no_history_draws_nothing(tmp_path):
     assert not (tmp_path / "plots").exists()
 
 
+@pytest.mark.slow
 def test_without_matplotlib_write_plots_raises_one_clear_error(tmp_path):
     script = (
         "import sys; sys.modules['matplotlib'] = None\n"  # what a missing package looks like to import

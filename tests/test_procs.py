@@ -39,6 +39,7 @@ def torchrun_args(script: Path, *, max_restarts: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_pid_alive_is_false_for_a_zombie_and_a_missing_pid():
     child = subprocess.Popen(["sleep", "60"])
     try:
@@ -57,6 +58,7 @@ def test_pid_alive_is_false_for_a_zombie_and_a_missing_pid():
     assert not procs.pid_alive(pid_max)  # pids are always below pid_max
 
 
+@pytest.mark.slow
 def test_kill_all_kills_a_child_orphaned_in_its_own_session(tmp_path):
     pid_file = tmp_path / "child.pid"
     parent_script = write_script(
@@ -85,6 +87,7 @@ def test_kill_all_kills_a_child_orphaned_in_its_own_session(tmp_path):
     assert launched.leftover_pids() == []
 
 
+@pytest.mark.slow
 def test_refresh_finds_children_that_an_orphan_starts_after_its_parent_died(tmp_path):
     go_file = tmp_path / "go"
     orphan_pid_file = tmp_path / "orphan.pid"
@@ -128,6 +131,7 @@ def test_refresh_finds_children_that_an_orphan_starts_after_its_parent_died(tmp_
     assert launched.leftover_pids() == []
 
 
+@pytest.mark.slow
 def test_wait_for_names_what_it_waited_for_and_kills_the_tree(tmp_path):
     launched = procs.launch(
         [sys.executable, "-c", "import time; print('started and sleeping', flush=True); time.sleep(60)"],
@@ -144,6 +148,7 @@ def test_wait_for_names_what_it_waited_for_and_kills_the_tree(tmp_path):
     assert launched.leftover_pids() == []
 
 
+@pytest.mark.slow
 def test_wait_for_fails_at_once_when_the_agent_exits_first(tmp_path):
     launched = procs.launch(
         [sys.executable, "-c", "print('giving up', flush=True); raise SystemExit(3)"],
@@ -158,6 +163,7 @@ def test_wait_for_fails_at_once_when_the_agent_exits_first(tmp_path):
     assert "giving up" in str(failure.value)
 
 
+@pytest.mark.slow
 def test_wait_times_out_with_the_output_tail(tmp_path):
     launched = procs.launch(
         [sys.executable, "-c", "import time; print('still busy', flush=True); time.sleep(60)"],
@@ -169,6 +175,7 @@ def test_wait_times_out_with_the_output_tail(tmp_path):
     assert launched.leftover_pids() == []
 
 
+@pytest.mark.slow
 def test_reap_fixture_kills_what_a_test_left_running(tmp_path):
     pid_file = tmp_path / "child.pid"
     launched = procs.launch(

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from elastictrain.manifest import MANIFEST_NAME, snapshot_id_for_step
 from elastictrain.storage import SnapshotStore
 
@@ -98,6 +100,7 @@ SnapshotStore(sys.argv[1], recycle_keep_last=2).commit(30, {"model.pt": model, "
 """
 
 
+@pytest.mark.slow
 def test_a_recycled_write_killed_half_way_leaves_the_newer_snapshot_to_restore_and_is_pruned_later(tmp_path):
     url = str(tmp_path / "fast")
     store = SnapshotStore(url, recycle_keep_last=2)

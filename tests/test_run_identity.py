@@ -3,7 +3,12 @@
 Under real torchrun: run A is crashed with the fast tier on (a real SIGKILL; its survivor copy
 stays in node memory), then run B starts with the same run.name and snapshot.local.url but a durable
 store of its own. B must start fresh and end bitwise where an unbroken run ends, and A, launched
-again, must still restore its own copy.
+again, must still restore its own copy and end bitwise, with the samples of the unbroken run.
+
+A's crash is also the survivor-copy case of a worker killed in the optimizer step its peer
+finishes: rank 1's slot, written before its optimizer step, already names step 138, so the copy
+is of step 138 (tests/test_resume.py covers the kill inside the forward pass, restored by a
+torchrun restart).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import pytest
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
 
@@ -39,12 +45,14 @@ def test_a_crashed_runs_node_local_copy_is_never_restored_into_another_run_of_th
                             "ELASTICTRAIN_FAILPOINT_RANK": "1"})
     os.kill(int(procs.wait_for_file(failpoints / "failpoint-optimizer-step.pid", TIMEOUT_S, run_a)), signal.SIGKILL)
     assert run_a.wait(TIMEOUT_S) != 0
-    assert f"survivor copy of step {KILL_STEP} written to " in run_a.output(), run_a.output()[-4000:]
+    assert f"WARNING survivor copy of step {KILL_STEP} written to " in run_a.output(), run_a.output()[-4000:]
+    assert start_steps(run_a.output()) == [0]
     left_by_a = fast_copies(shm)
     assert any(path.endswith(f"step-{KILL_STEP:012d}") for path in left_by_a), left_by_a
 
     # Run B: the same config and run.name, a new run.dir (an empty durable store): it starts fresh.
-    run_b = launch_job(tmp_path, "b", [f"run.dir={tmp_path / 'run-b'}", *fast])
+    (tmp_path / "b").mkdir()  # B's own traces
+    run_b = launch_job(tmp_path / "b", "b", [f"run.dir={tmp_path / 'run-b'}", *fast])
     assert run_b.wait(TIMEOUT_S) == 0, run_b.output()[-4000:]
     result = parse_job(run_b.output())
     assert start_steps(result.output) == [0], result.output[-4000:]
@@ -61,5 +69,8 @@ def test_a_crashed_runs_node_local_copy_is_never_restored_into_another_run_of_th
     resumed = parse_job(again.output())
     assert f"restored step {KILL_STEP} from the node-local tier of node 0 (rank 0) (a survivor copy)" in resumed.output, \
         resumed.output[-4000:]
+    assert start_steps(resumed.output) == [KILL_STEP]
     assert resumed.summary["params_sha256"] == reference_run.result.summary["params_sha256"]
+    for rank in (0, 1):  # A's attempt up to the copy, then A again: the unbroken run's samples in its order
+        assert stitch(read_traces(tmp_path / "trace", rank), [0, KILL_STEP]) == reference_run.traces[rank]
     assert fast_copies(shm) == [], "DONE gives the node's memory back"

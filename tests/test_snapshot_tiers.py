@@ -45,6 +45,7 @@ def corrupt(tmp_path, step: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, capfd):
     (tmp_path / "ref").mkdir()
     reference = trainer(tmp_path / "ref", memory_url(), local={"url": None}).fit()
@@ -68,6 +69,7 @@ def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, cap
     assert not (tmp_path / "shm").exists(), "the fast tier is cleaned at DONE, the emptied snapshot.local.url too"
 
 
+@pytest.mark.slow
 def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
@@ -95,6 +97,7 @@ def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_pat
     assert local_steps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
     from elastictrain.events import Observer
 
@@ -114,6 +117,7 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
     assert not (tmp_path / "shm" / "default").exists(), "DONE gives the node's memory back"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("local, fast_in_background", [({}, False), ({"async_write": True}, True),
                                                        ({"async_write": False}, False)])
 def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_says_so(tmp_path, local,
@@ -134,6 +138,7 @@ def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_sa
     assert reports.background == {"durable": {True}, "local": {fast_in_background}}
 
 
+@pytest.mark.slow
 def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path):
     """A job that fails more often than snapshot.durable.every_s still gets durable snapshots: a restart
     restored from a fast copy does not start the durable timer again."""

@@ -432,6 +432,7 @@ SnapshotStore(url).commit(20, {"model": lambda handle: handle.write(b"model at s
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["mid-payload", "before-manifest"])
 def test_a_local_commit_killed_before_its_manifest_is_never_loaded_and_pruned_later(tmp_path, caplog, kill_at):
     """Payload objects go straight to their final names: a prefix without a manifest is torn, whatever it holds."""
@@ -515,6 +516,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
+@pytest.mark.slow
 def test_disk_full_is_one_clear_error_and_earlier_snapshots_stay_intact(small_tmpfs):
     url = str(small_tmpfs / "snapshots")
     store = SnapshotStore(url)

@@ -47,6 +47,7 @@ def test_a_slot_reads_back_its_newest_record_and_a_torn_write_leaves_the_one_bef
         slots.close()
 
 
+@pytest.mark.slow
 def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time

@@ -8,7 +8,8 @@ one thread). No test here sets OMP_NUM_THREADS: the launcher decides, as it does
 - 2 workers, preempted -> 1 worker, preempted -> 2 workers ends bitwise equal to an unbroken
   2-worker run (the bitwise-elastic mode): the 1-worker attempt computes with the run's one thread.
 - A 1-worker run with both cores busy (two spinning processes the test starts and kills by pid)
-  ends bitwise equal to the same run on an idle machine.
+  ends bitwise equal to the same run on an idle machine (8 steps: the bits of every loss call depend
+  on the thread count).
 """
 
 from __future__ import annotations
@@ -91,14 +92,18 @@ def test_2_then_1_then_2_workers_end_bitwise_equal_to_an_unbroken_run(tmp_path):
 
 
 def test_one_worker_on_busy_cores_ends_bitwise_equal_to_one_on_idle_cores(tmp_path):
-    idle = run_to_end(tmp_path / "idle", "idle", nproc=1)
+    # 8 steps of 4 shards: 32 loss calls, each of whose bits depends on the thread count it ran with (the
+    # test below); the job's other 40 steps, slowed by the spinners, proved nothing more.
+    short = ["train.max_steps=8"]
+    idle = run_to_end(tmp_path / "idle", "idle", nproc=1, extra=short)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(2)]
     try:
-        busy = run_to_end(tmp_path / "busy", "busy", nproc=1)
+        busy = run_to_end(tmp_path / "busy", "busy", nproc=1, extra=short)
     finally:
         for spinner in spinners:
             os.kill(spinner.pid, signal.SIGKILL)
             spinner.wait()
+    assert idle["step"] == busy["step"] == "8"
     assert idle["params_sha256"] == busy["params_sha256"]
 
 

@@ -38,6 +38,7 @@ def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "OMP_"))}
 
 
+@pytest.mark.slow
 @needs_mkl
 def test_a_pinned_worker_runs_mkl_with_deterministic_scheduling_and_no_dynamic_threads():
     out = run_python(
@@ -50,12 +51,14 @@ def test_a_pinned_worker_runs_mkl_with_deterministic_scheduling_and_no_dynamic_t
     assert "CNR:AUTO Dyn:0" in out and "NThr:2" in out, out
 
 
+@pytest.mark.slow
 @needs_mkl
 def test_unpinned_mkl_schedules_dynamically():  # what the pin changes: out of the box MKL says CNR:OFF Dyn:1
     out = run_python("import torch\na = torch.ones(64, 64); a @ a\n", MKL_VERBOSE="1")
     assert "CNR:OFF Dyn:1" in out, out
 
 
+@pytest.mark.slow
 @needs_mkl
 def test_the_startup_line_says_when_mkl_ran_before_elastictrain_was_imported():
     late = run_python(

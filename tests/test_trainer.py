@@ -39,6 +39,7 @@ def memory_url() -> str:
     return f"memory://elastictrain-tests/{uuid.uuid4().hex}"
 
 
+@pytest.mark.slow
 def test_corrupt_newest_snapshot_falls_back_to_the_previous_and_still_ends_bitwise_equal(capfd):
     url = memory_url()
     reference = trainer(url).fit()
@@ -57,6 +58,7 @@ def test_corrupt_newest_snapshot_falls_back_to_the_previous_and_still_ends_bitwi
     assert again.params_sha256 == reference.params_sha256
 
 
+@pytest.mark.slow
 def test_a_snapshot_of_another_model_is_refused_and_nothing_is_deleted(capfd):
     url = memory_url()
     trainer(url, max_steps=10).fit()
@@ -75,6 +77,7 @@ START_FRESH_ADVICE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("explicit_url", [True, False], ids=["snapshot.durable.url", "run.dir"])
 def test_the_advice_given_for_a_changed_model_works_when_followed(tmp_path, explicit_url):
     base = config(memory_url())
@@ -105,6 +108,7 @@ def test_unwritable_store_fails_before_any_step(tmp_path):
     assert run.progress.global_step == 0
 
 
+@pytest.mark.slow
 def test_hooks_fire_on_transitions_of_a_real_fit():
     run = trainer(memory_url())
     seen = []
@@ -114,6 +118,7 @@ def test_hooks_fire_on_transitions_of_a_real_fit():
     assert seen == [10, 20, 30, "eval@32->TRAIN", 40, 50, 60, "eval@64->SNAPSHOT", 64]
 
 
+@pytest.mark.slow
 def test_time_based_snapshots_are_checked_at_every_step():
     url = memory_url()
     seed_everything(0)
@@ -127,6 +132,7 @@ def test_time_based_snapshots_are_checked_at_every_step():
     assert steps == list(range(1, 65)), "one snapshot after every step"
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     """2 micro-batches of 8 (no dropout) take the same steps on the same samples as one batch of 16."""
     no_dropout = {**SMALL, "dropout": 0.0}
@@ -139,6 +145,7 @@ def test_gradient_accumulation_matches_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_progress_bar_on_rank_zero(capfd):
     seed_everything(0)
     Trainer.from_task(spirals.build(**SMALL), {**config(memory_url()), "log": {"progress_bar": True}}).fit()
@@ -146,6 +153,7 @@ def test_progress_bar_on_rank_zero(capfd):
     assert "64/64" in err and "step/s" in err
 
 
+@pytest.mark.slow
 def test_yaml_config_through_the_installed_console_script(tmp_path):
     console = shutil.which("elastictrain", path=str(REPO_ROOT / ".venv" / "bin")) or shutil.which(
         "elastictrain", path=str(__import__("pathlib").Path(sys.executable).parent)
@@ -185,6 +193,7 @@ def test_a_store_that_cannot_be_opened_is_one_clear_error():
         trainer("nosuchproto://bucket/run").fit()
 
 
+@pytest.mark.slow
 def test_s3_without_s3fs_installed_is_one_line_saying_what_to_install():
     # s3fs is in the test install; a process where it cannot be imported is what a user without it has.
     script = (

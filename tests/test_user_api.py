@@ -36,6 +36,7 @@ def trainer(url: str, task_args: dict = SMALL, lr_scheduler="task", loss_fn=None
     })
 
 
+@pytest.mark.slow
 def test_a_scheduler_factory_gets_the_runs_step_count_after_setup():
     seen = []
 
@@ -54,6 +55,7 @@ def linear_decay(optimizer, total_steps):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
 
 
+@pytest.mark.slow
 def test_a_run_with_a_scheduler_factory_resumes_bitwise():
     """The factory is called again at the restart, after the restore: the schedule goes on where it was."""
     unbroken = trainer(memory_url(), lr_scheduler=linear_decay).fit()
@@ -74,6 +76,7 @@ def test_a_run_with_a_scheduler_factory_resumes_bitwise():
     assert resumed.run_log.attempts[-1]["start_step"] == 30 and resumed.task.optimizer.param_groups[0]["lr"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_scheduler_factory_stepped_per_epoch_gets_the_epoch_count():
     seen = []
     run = trainer(memory_url(), lr_scheduler=lambda opt, n: seen.append(n) or torch.optim.lr_scheduler.StepLR(opt, n),
@@ -83,6 +86,7 @@ def test_a_scheduler_factory_stepped_per_epoch_gets_the_epoch_count():
     assert seen == [3]
 
 
+@pytest.mark.slow
 def test_a_resume_with_a_changed_harmless_key_says_what_changed_and_goes_on(capfd):
     url = memory_url()
     trainer(url, max_epochs=1).fit()
@@ -92,6 +96,7 @@ def test_a_resume_with_a_changed_harmless_key_says_what_changed_and_goes_on(capf
     assert resumed.global_step == 64
 
 
+@pytest.mark.slow
 def test_a_resume_that_would_change_the_batch_geometry_is_refused_with_the_way_out(capfd):
     url = memory_url()
     trainer(url, max_steps=20).fit()
@@ -111,6 +116,7 @@ def test_a_resume_that_would_change_the_batch_geometry_is_refused_with_the_way_o
     assert "train.batch_size 16 -> 32" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_script_handing_over_a_dataset_of_another_size_is_refused():
     """A script's data are not in the config; their size is what the saved position counts in."""
     url = memory_url()
@@ -119,6 +125,7 @@ def test_a_script_handing_over_a_dataset_of_another_size_is_refused():
         trainer(url, task_args={**SMALL, "train_samples": 1024}).fit()
 
 
+@pytest.mark.slow
 def test_an_optimizer_set_up_with_another_lr_in_the_script_is_warned_about(capfd):
     url = memory_url()
     trainer(url, max_steps=20).fit()

@@ -98,6 +98,7 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
 # -- 4. errors that name the cause ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "loss, expected",
     [
@@ -160,6 +161,7 @@ def test_one_element_values_of_any_shape_are_scalars():
 # -- 5. config errors from a script, loading errors that are not about the file --------------------------
 
 
+@pytest.mark.slow
 def test_a_config_error_in_a_script_is_one_line_and_exit_2(tmp_path):
     # Before: a 13-line traceback ending in this message, exit code 1.
     result = run_user_script(tmp_path, "ok", "train.bach_size=3")
@@ -171,6 +173,7 @@ def test_a_config_error_in_a_script_is_one_line_and_exit_2(tmp_path):
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_a_bug_in_loss_fn_keeps_its_traceback(tmp_path):
     result = run_user_script(tmp_path, "bug")
     assert result.returncode == 1
@@ -215,6 +218,7 @@ def test_a_device_error_while_loading_is_not_blamed_on_the_file():
     assert not isinstance(raised.value, SnapshotError)
 
 
+@pytest.mark.slow
 def test_out_of_memory_while_loading_propagates_as_itself(tmp_path):
     # A real allocation failure: the loading process may map only 150 MB more than it has,
     # and the snapshot holds a 200 MB tensor.
@@ -245,6 +249,7 @@ def build_with_a_bug(hidden: int = 8) -> Task:
     return layers + hidden
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -280,6 +285,7 @@ def test_inputs_that_slipped_through_are_one_line_naming_the_key(tmp_path, args,
     assert "hunter2" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_bug_inside_a_task_factory_keeps_its_traceback(tmp_path):
     result = run_cli(tmp_path, "task.factory=tests.test_user_errors:build_with_a_bug", "task.args.hidden=8")
     assert result.returncode == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as tdist
 
@@ -61,6 +62,7 @@ def run_ranks(every_s: float, step_s: float) -> dict[int, tuple]:
                 worker.join()
 
 
+@pytest.mark.slow
 def test_a_vote_spans_several_short_steps_and_every_rank_votes_and_agrees_at_the_same_step():
     # 1 ms steps and at most one vote per 10 ms: rank 0 proposes about 10 steps between votes.
     results = run_ranks(every_s=0.01, step_s=0.001)
@@ -75,6 +77,7 @@ def test_a_vote_spans_several_short_steps_and_every_rank_votes_and_agrees_at_the
     assert agreed0 == agreed1 == read_at
 
 
+@pytest.mark.slow
 def test_a_zero_interval_votes_at_every_step():
     results = run_ranks(every_s=0.0, step_s=0.0)
     for voted, agreed, cadence in results.values():

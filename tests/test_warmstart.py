@@ -50,6 +50,7 @@ def run_python(code: str, *args: str, env: dict | None = None) -> subprocess.Com
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status, returncode", [
     (0, 0), (3 << 8, 3), (143 << 8, 143),  # exit codes
     (signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGUSR1, -signal.SIGUSR1),
@@ -60,12 +61,14 @@ def test_the_client_ends_as_its_child_ended(status, returncode):
     assert ended.returncode == returncode, ended.stderr
 
 
+@pytest.mark.slow
 def test_no_script_is_one_line_and_exit_2():
     ended = run_python("", "-m", "elastictrain.warmstart", "--preload", "numpy")
     assert ended.returncode == 2
     assert ended.stderr.count("\n") == 1 and "give the script to run (or -m MODULE)" in ended.stderr
 
 
+@pytest.mark.slow
 def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import sys\nprint('argv', sys.argv[1:], 'file', __file__)\nsys.exit(7)\n")
@@ -141,6 +144,7 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     assert not glob.glob(server_prefix(job.proc.pid) + "*")
 
 
+@pytest.mark.slow
 def test_help_prints_usage_and_a_missing_script_says_so_once():
     """`python -m elastictrain.warmstart --help`: usage on stdout, exit 0; with no script: one line, exit 2."""
     command = [sys.executable, "-m", "elastictrain.warmstart"]

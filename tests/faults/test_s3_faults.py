@@ -1,8 +1,13 @@
-"""A real S3 server (SeaweedFS on 127.0.0.1) that goes away during training, and a kill inside an S3 write.
+"""A real S3 server (SeaweedFS on 127.0.0.1) that goes away during training, and kills with snapshots on S3.
 
 The server is stopped with SIGSTOP: the kernel still accepts connections, nothing answers, the
 way a hung endpoint behaves. Training must go on, say that snapshots are behind and since when,
 catch up once the server answers, and end bitwise equal to the unbroken run.
+
+The storage backend must not change the numbers: a run on S3 whose worker is SIGKILLed, and whose
+rank 0 is SIGKILLed inside a snapshot write, ends with the params_sha256 of the unbroken reference
+run on local disk, with exactly one restart per kill. The secret given in snapshot.durable.storage_options
+appears neither in the job's output nor in the bytes of the snapshot it saved.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from elastictrain.storage import SnapshotStore
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+from tests.helpers.s3 import SECRET_KEY
 from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
@@ -66,19 +72,41 @@ def test_an_s3_outage_longer_than_a_snapshot_interval_does_not_stop_training(tmp
     assert s3_server.storage_options["secret"] not in output
 
 
-def test_sigkill_of_rank0_inside_an_s3_snapshot_write_resumes_from_the_previous_one(tmp_path, reference_run, s3_server, s3_bucket):
+def test_sigkill_of_a_worker_then_of_rank0_inside_an_s3_snapshot_write_resumes_bitwise_and_keeps_the_secret(
+        tmp_path, reference_run, s3_server, s3_bucket):
+    """One job on S3, two kills: rank 1 in step 37 (the restart restores step 25), then, in the restarted
+    attempt, rank 0 inside the write of step 75's snapshot, after model.pt and before the manifest (the
+    restart skips the torn step 75 and restores step 50)."""
+    url = f"s3://{s3_bucket}/run"
+    options = s3_server.storage_options
     failpoints = tmp_path / "failpoints"
     failpoints.mkdir()
-    job = launch_job(tmp_path, "job", s3_overrides(s3_server, s3_bucket),
-                     env={"ELASTICTRAIN_FAILPOINT": f"snapshot-write@75:{failpoints}"})
+    # endpoint_url at the top of storage_options (the other tests pass it in client_kwargs): both reach s3fs.
+    overrides = [f"snapshot.durable.url={url}", f"snapshot.durable.storage_options.endpoint_url={s3_server.endpoint}",
+                 f"snapshot.durable.storage_options.key={options['key']}", f"snapshot.durable.storage_options.secret={options['secret']}",
+                 "task.args.pause_rank=1", "task.args.pause_at_step=37"]
+    job = launch_job(tmp_path, "job", overrides, env={"ELASTICTRAIN_FAILPOINT": f"snapshot-write@75:{failpoints}"})
+    os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
     writer_pid = int(procs.wait_for_file(failpoints / "failpoint-snapshot-write.pid", TIMEOUT_S, job))
-    store = SnapshotStore(f"s3://{s3_bucket}/run", s3_server.storage_options)
+    store = SnapshotStore(url, options)
     torn = {listing.step: listing for listing in store.list_snapshots()}[75]
     assert torn.manifest is None, "the kill must land after model.pt and before the manifest"
     os.kill(writer_pid, signal.SIGKILL)
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+
     output = job.output()
-    assert f"skipping snapshot s3://{s3_bucket}/run/step-000000000075: no manifest" in output
-    assert start_steps(output) == [0, 50]
+    result = parse_job(output)
+    assert f"skipping snapshot {url}/step-000000000075: no manifest" in output
+    assert start_steps(output) == [0, 25, 50], "expected one restart per kill, from the newest committed S3 snapshot"
+    assert result.summary["restart"] == "2"
     assert_bitwise(tmp_path, reference_run, output)
     assert all(listing.manifest is not None for listing in store.list_snapshots())
+
+    assert SECRET_KEY not in output, "the secret leaked into the job's log"
+    newest = store.list_snapshots()[-1]
+    assert newest.manifest is not None and newest.step == int(result.summary["step"])
+    client = s3_server.client()
+    for name in newest.manifest.objects:
+        raw = client.cat_file(f"{s3_bucket}/run/{newest.snapshot_id}/{name}")
+        # The saved config must carry the secret redacted (done by the loop: config.to_dict(redact=True)).
+        assert SECRET_KEY.encode() not in raw, f"the secret is in the saved {name}"
