@@ -55,6 +55,17 @@ def launch(workdir: Path, name: str, example: str, pauses: str | None = None) ->
     return procs.launch(command, log_path=workdir / f"{name}.log", env=env, cwd=workdir)
 
 
+def test_the_port_page_shows_the_tutorial_example_as_it_is():
+    """docs/custom-loops-port.md shows the port as a whole-file diff: its new side is examples/tutorial_trainer.py."""
+    page = (REPO_ROOT / "docs" / "custom-loops-port.md").read_text()
+    diff = page.split("```diff\n", 1)[1].split("\n```", 1)[0].splitlines()
+    assert diff[1] == "+++ examples/tutorial_trainer.py" and diff[2].startswith("@@ -1,")
+    shown = [line[1:] for line in diff[3:] if not line.startswith("-")]
+    assert shown == (REPO_ROOT / "examples" / "tutorial_trainer.py").read_text().splitlines(), (
+        "the example changed: rebuild the page's diff with `diff -U 1000 --label 'tutorial (before)' --label "
+        "examples/tutorial_trainer.py before.py examples/tutorial_trainer.py`, before.py being the page's old side")
+
+
 def worker_lines(output: str) -> str:
     return "\n".join(line for line in output.splitlines() if "[elastictrain r" in line)
 
