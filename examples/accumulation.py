@@ -50,7 +50,8 @@ def main(overrides: list[str]) -> None:
             for batches in loader.steps():  # one optimizer step's micro-batches
                 for micro, (inputs, labels) in enumerate(batches):
                     last = micro == len(batches) - 1
-                    # All-reduce the gradients on the last micro-batch only (no DDP in a one-process run).
+                    # All-reduce the gradients on the last micro-batch only (no DDP in a one-process run). A model
+                    # wrapped with a loss_fn (session.wrap(model, loss_fn)) would use session.grad_sync instead.
                     with ddp.no_sync() if hasattr(ddp, "no_sync") and not last else nullcontext():
                         logits = ddp(inputs)
                         loss = F.cross_entropy(logits, labels)

@@ -56,18 +56,17 @@ def main(overrides: list[str]) -> None:
         for _epoch in session.epochs():
             for (real,) in loader:
                 n = real.shape[0]
-                noise = lambda: torch.randn(n, NOISE, device=session.device)  # noqa: E731
                 # D step. One forward of D for real and generated points together: DDP reduces the
                 # gradients of one forward per backward. No graph through G (no_grad): G is not trained here.
                 with torch.no_grad():
-                    fake = G(noise())
-                labels = torch.cat([torch.ones(n, 1), torch.zeros(n, 1)]).to(session.device)
-                d_loss = bce(D(torch.cat([real, fake])), labels)
+                    fake = G(torch.randn(n, NOISE, device=session.device))
+                ones, zeros = torch.ones(n, 1, device=session.device), torch.zeros(n, 1, device=session.device)
+                d_loss = bce(D(torch.cat([real, fake])), torch.cat([ones, zeros]))
                 opt_d.zero_grad(set_to_none=True)
                 d_loss.backward()
                 opt_d.step()
                 # G step: fool D. D's gradients computed on the way are dropped by the next D step's zero_grad.
-                g_loss = bce(D(G(noise())), torch.ones(n, 1, device=session.device))
+                g_loss = bce(D(G(torch.randn(n, NOISE, device=session.device))), ones)
                 opt_g.zero_grad(set_to_none=True)
                 g_loss.backward()
                 opt_g.step()
