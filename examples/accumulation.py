@@ -1,0 +1,67 @@
+"""Gradient accumulation and a custom metric, on elastictrain's custom-loop API.
+
+    torchrun --nproc-per-node=2 examples/accumulation.py [key=value overrides]
+
+Each optimizer step takes ``session.grad_accum_steps`` micro-batches (train.grad_accum_steps; after a
+restart at another world size, what the elastic batch policy chose). DDP all-reduces the gradients
+once per step: every micro-batch but the last runs under ``no_sync``. The loss and the accuracy of
+each micro-batch are logged weighted by its samples; the session reduces them across ranks every
+train.log_every_steps and keeps them in the run's history (``train_loss``, ``train_accuracy``).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastictrain.session import Session
+
+CONFIG = {
+    "run": {"name": "accumulation"},
+    "train": {"max_epochs": 4, "batch_size": 16, "grad_accum_steps": 2, "log_every_steps": 4},
+    "snapshot": {"every_steps": 5},
+}
+
+
+def blobs(samples: int, features: int = 16, classes: int = 4) -> TensorDataset:
+    """Points around ``classes`` random centres (fixed by one seed, the same on every rank), labelled by centre."""
+    generator = torch.Generator().manual_seed(0)
+    centres = 2 * torch.randn(classes, features, generator=generator)
+    labels = torch.randint(0, classes, (samples,), generator=generator)
+    return TensorDataset(centres[labels] + torch.randn(samples, features, generator=generator), labels)
+
+
+def main(overrides: list[str]) -> None:
+    with Session(CONFIG, overrides) as session:
+        torch.manual_seed(session.cfg.run.seed)  # the same initial weights on every rank and every attempt
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ddp = session.wrap(model)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(blobs(1024))
+        session.restore()
+
+        for _epoch in session.epochs():
+            for batches in loader.steps():  # one optimizer step's micro-batches
+                for micro, (inputs, labels) in enumerate(batches):
+                    last = micro == len(batches) - 1
+                    # All-reduce the gradients on the last micro-batch only (no DDP in a one-process run). A model
+                    # wrapped with a loss_fn (session.wrap(model, loss_fn)) would use session.grad_sync instead.
+                    with ddp.no_sync() if hasattr(ddp, "no_sync") and not last else nullcontext():
+                        logits = ddp(inputs)
+                        loss = F.cross_entropy(logits, labels)
+                        (loss / len(batches)).backward()
+                    accuracy = (logits.argmax(dim=1) == labels).float().mean()
+                    session.log(len(labels), loss=loss.detach(), accuracy=accuracy)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                session.step()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

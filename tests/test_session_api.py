@@ -1,0 +1,141 @@
+"""The custom-loop API in one process: misuse is one clear line, and a custom loop resumes bitwise.
+
+No launcher: a plain ``with Session(...)`` in the test process, snapshots on memory://, tiny data.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastictrain.errors import UsageError
+from elastictrain.session import Session
+
+
+def config(tmp_path, **train) -> dict:
+    return {
+        "run": {"dir": str(tmp_path / "run")},
+        "snapshot": {"url": f"memory://session-api-tests/{uuid.uuid4().hex}", "every_steps": 4},
+        "train": {"max_epochs": 2, "batch_size": 8, "log_every_steps": 4, **train},
+        "log": {"progress_bar": False, "plots": False},
+    }
+
+
+def points(samples: int = 64) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(samples, 4, generator=generator), torch.randint(0, 2, (samples,), generator=generator))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def misuse(capsys, cfg: dict, body) -> str:
+    """Run ``body(session)`` in a session; return the UsageError's message, checked to be the one line logged."""
+    with pytest.raises(UsageError) as raised:
+        with Session(cfg) as session:
+            body(session)
+    message = str(raised.value)
+    err = capsys.readouterr().err
+    assert "\n" not in message and "Traceback" not in err
+    assert "ERROR rank 0 stopped in state " in err and message in err, err
+    return message
+
+
+def test_state_registered_after_restore_is_one_line(tmp_path, capsys):
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        session.loader(points())
+        session.restore()
+        session.register(scaler=torch.amp.GradScaler("cpu"))
+
+    assert misuse(capsys, config(tmp_path), body) == (
+        "session.register() after session.restore(): register everything that is state before restoring, "
+        "or it would not be restored")
+
+
+def test_a_step_before_restore_is_one_line(tmp_path, capsys):
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        session.loader(points())
+        session.step(loss=1.0)
+
+    assert misuse(capsys, config(tmp_path), body).startswith("session.step() before session.restore(): restore first")
+
+
+def test_a_step_after_the_wrong_number_of_micro_batches_is_one_line(tmp_path, capsys):
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = session.loader(points())
+        session.restore()
+        for _inputs, _labels in loader:
+            session.step()  # after one micro-batch; a step takes two
+
+    assert misuse(capsys, config(tmp_path, grad_accum_steps=2), body) == (
+        "session.step() after 1 micro-batch(es) of the loader; a step takes 2 (session.grad_accum_steps): "
+        "call step() once per optimizer step")
+
+
+def test_a_wrapped_model_that_is_not_registered_is_one_line(tmp_path, capsys):
+    def body(session):
+        model, other = mlp(), nn.Linear(4, 2)
+        session.wrap(other)
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        session.loader(points())
+        session.restore()
+
+    assert misuse(capsys, config(tmp_path), body).startswith(
+        "a Linear wrapped by session.wrap() is not registered: session.register(name=model)")
+
+
+def test_restore_without_a_model_is_one_line(tmp_path, capsys):
+    def body(session):
+        session.register(optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1))
+        session.loader(points())
+        session.restore()
+
+    assert misuse(capsys, config(tmp_path), body).startswith("session.restore() with no model registered")
+
+
+def custom_loop(cfg: dict, fail_in_step: int | None = None) -> Session:
+    """A loop of one's own: noise from torch's RNG on the inputs, Adam, a scheduler stepped per step."""
+    with Session(cfg) as session:
+        model = mlp()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        wrapped = session.wrap(model)
+        session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+        loader = session.loader(points())
+        session.restore()
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(wrapped(inputs + 0.1 * torch.randn_like(inputs)), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                if session.global_step + 1 == fail_in_step:
+                    raise RuntimeError(f"a bug in step {fail_in_step}")
+                session.step(loss=loss)
+    return session
+
+
+def test_a_custom_loop_killed_by_an_exception_resumes_bitwise_equal_to_an_unbroken_run(tmp_path):
+    unbroken = custom_loop(config(tmp_path)).summary
+    assert unbroken.state == "DONE" and unbroken.global_step == 2 * 64 // 8
+    cfg = config(tmp_path)
+    with pytest.raises(RuntimeError, match="a bug in step 11"):
+        custom_loop(cfg, fail_in_step=11)
+    resumed = custom_loop(cfg)
+    assert resumed.state.run_log.attempts[-1]["start_step"] == 8  # the newest snapshot before the failure
+    assert resumed.summary.attempts == 2 and resumed.summary.global_step == unbroken.global_step
+    assert resumed.summary.params_sha256 == unbroken.params_sha256
