@@ -48,7 +48,7 @@ def custom_loop(model: nn.Module, optimizer: torch.optim.Optimizer, data, batch_
     config = {
         "run": {"dir": run_dir},
         "train": {"max_epochs": 1, "batch_size": batch_size, "log_every_steps": 50},
-        "snapshot": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0},
+        "snapshot": {"durable": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0}},
         "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
     }
     with Session(config) as session:

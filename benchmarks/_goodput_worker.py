@@ -144,7 +144,7 @@ def with_elastictrain(args: argparse.Namespace, stamps: Stamps, world_size: int)
     trainer.on(dst=State.RESTORE)(lambda src, dst, step: stamps.event("group"))
     trainer.on(src=State.RESTORE)(lambda src, dst, step: stamps.event("restored", step=step))
     summary = trainer.fit()
-    if trainer.ctx.is_main:
+    if trainer.session.is_main:
         seconds = {cause: round(value, 3) for cause, value in trainer.goodput.seconds_by_cause().items()}
         stamps.event("goodput", ratio=f"{trainer.goodput.goodput_ratio():.4f}", seconds=json.dumps(seconds, separators=(",", ":")))
     stamps.event("done", step=summary.global_step)

@@ -82,7 +82,7 @@ def main() -> None:
             config[section] = {**config.get(section, {}), **values}
         trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config)
         trainer.fit()
-        rank = trainer.ctx.rank
+        rank = trainer.session.rank
     if rank == 0:
         span = stamps[-1] - stamps[args.warmup]
         with open(args.out, "w") as out:

@@ -2,7 +2,7 @@
 
 Each repetition runs both under real ``torchrun --nproc-per-node=2`` (gloo, CPU) as an interleaved
 pair (the order alternates), the same model, data, batch and number of steps; snapshots are off
-(snapshot.every_steps=0, snapshot.on_done=false), everything else the session does per step is on.
+(snapshot.durable.every_steps=0, snapshot.durable.on_done=false), everything else the session does per step is on.
 Reported: the median step time of each, and the median over pairs of session / hand (target <= 1.02).
 
     PYTHONPATH=. .venv/bin/python benchmarks/custom_loop.py --repeats 5

@@ -37,10 +37,10 @@ class RunSummary:
 
     def line(self) -> str:
         values = {"train_loss": self.train_loss, "val_loss": self.val_loss, **self.val_metrics}
-        shown = " ".join(f"{k}={v:.4f}" for k, v in values.items() if v is not None)
+        shown = "".join(f"{k}={v:.4f} " for k, v in values.items() if v is not None)
         return (
             f"run summary: state={self.state} step={self.global_step} epoch={self.epoch} "
-            f"world_size={self.world_size} restart={self.restart_count} attempts={self.attempts} {shown} "
+            f"world_size={self.world_size} restart={self.restart_count} attempts={self.attempts} {shown}"
             f"wall_s={self.wall_s:.1f} run_wall_s={self.run_wall_s:.1f} params_sha256={self.params_sha256}"
         )
 

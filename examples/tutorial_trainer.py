@@ -86,7 +86,7 @@ class Trainer:
                     f'[CPU{self.global_rank}] Epoch [{epoch + 1}/{total_epochs}], Step [{self.session.global_step}], Loss: {loss:.4f}')
 
     def _save_snapshot(self):
-        """What every snapshot holds (written every snapshot.every_steps steps, on preemption and at the end)"""
+        """What every snapshot holds (written every snapshot.durable.every_steps steps, on preemption and at the end)"""
         self.session.register(
             model=self.model,
             optimizer=self.optimizer,

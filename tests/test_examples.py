@@ -28,7 +28,7 @@ TIMEOUT_S = 180
 SNAPSHOT_EVERY = 5
 # A vote at every step, so that the preemption is read one step after the signal's (the default
 # cadence can span many of these millisecond steps); the same in every run compared.
-COMMON = ["log.plots=false", "log.progress_bar=false", "preempt.vote_every_s=0", f"snapshot.every_steps={SNAPSHOT_EVERY}"]
+COMMON = ["log.plots=false", "log.progress_bar=false", "preempt.vote_every_s=0", f"snapshot.durable.every_steps={SNAPSHOT_EVERY}"]
 PAUSED = REPO_ROOT / "tests" / "helpers" / "paused_example.py"
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
@@ -96,7 +96,7 @@ def test_an_unbroken_run_of_each_example_trains_every_step_with_its_state_in_the
     assert "Traceback" not in result.output
     store = SnapshotStore(str(workdir / "run" / "snapshots"))
     listing, files = store.latest_valid()
-    assert listing.step == EXAMPLES[example].steps  # snapshot.on_done
+    assert listing.step == EXAMPLES[example].steps  # snapshot.durable.on_done
     weights = load_object(files["model.pt"], "final model")
     if example == "gan":
         # Both models are registered: the snapshots hold both (and both optimizers), and both trained.
