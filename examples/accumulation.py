@@ -24,7 +24,7 @@ from elastictrain.session import Session
 CONFIG = {
     "run": {"name": "accumulation"},
     "train": {"max_epochs": 4, "batch_size": 16, "grad_accum_steps": 2, "log_every_steps": 4},
-    "snapshot": {"every_steps": 5},
+    "snapshot": {"durable": {"every_steps": 5}},
 }
 
 

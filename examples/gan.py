@@ -24,7 +24,7 @@ NOISE = 4
 CONFIG = {
     "run": {"name": "gan"},
     "train": {"max_epochs": 4, "batch_size": 32},
-    "snapshot": {"every_steps": 5},
+    "snapshot": {"durable": {"every_steps": 5}},
 }
 
 

@@ -109,7 +109,7 @@ def load_train_params():
 CONFIG = {
     "run": {"name": "tutorial", "seed": 42},
     "train": {"max_epochs": 4, "batch_size": 16},
-    "snapshot": {"every_steps": 5},
+    "snapshot": {"durable": {"every_steps": 5}},
 }
 
 
