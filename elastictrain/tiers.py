@@ -107,9 +107,10 @@ class SnapshotTiers:
         if self.local is not None:
             progress.last_local_snapshot_step = progress.global_step
         self.state.run_log.current["wall_s"] = wall_s
-        self._report(self.durable.save(progress.global_step, meta))
+        durable = self.durable.save(progress.global_step, meta)
         if self.local is not None:
             self._report(self.local.save(progress.global_step, meta))
+        self._report(durable)  # after the fast copy's, as observers have always seen them
         # Timed snapshots count from this attempt, committed or not: a store that is down is
         # tried again one interval later, not at every step.
         self._last_durable = time.monotonic()

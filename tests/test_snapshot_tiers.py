@@ -110,7 +110,7 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
 
     reports = Reports()
     run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False)
-    run.events.add(reports)
+    run.session.events.add(reports)
     run.fit()
     # Step 10 is durable and fast; the run ends at 12 with no final snapshot of either tier.
     assert reports.seen == [("local", 4, True), ("local", 8, True), ("local", 10, True), ("durable", 10, True)]
@@ -133,7 +133,7 @@ def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_sa
 
     reports = Reports()
     run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local=local)
-    run.events.add(reports)
+    run.session.events.add(reports)
     run.fit()
     assert reports.background == {"durable": {True}, "local": {fast_in_background}}
 
