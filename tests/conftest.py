@@ -26,11 +26,17 @@ SLOW_FIXTURES = {
 }
 
 
+# Their tests install Debian packages (apt-get takes one at a time) or start the machine's one slurmctld.
+DEBIAN_SERVER_MODULES = {"test_elastic", "test_launch_slurm", "test_metrics", "test_launch_monitoring"}
+
+
 def pytest_collection_modifyitems(items):
     """Tiers: a test is `slow` when it starts processes or servers, or trains for seconds in this process (its
     `torchrun` or `slow` marker, or a fixture of SLOW_FIXTURES); every other test is `fast`. `python -m pytest
     -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier."""
     for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in DEBIAN_SERVER_MODULES:
+            item.add_marker(pytest.mark.xdist_group("debian-servers"))  # one xdist worker runs them all, in turn
         if item.get_closest_marker("torchrun") or not SLOW_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.slow)
         if not item.get_closest_marker("slow"):

@@ -20,7 +20,7 @@ from elastictrain.session import Session
 def config(tmp_path, **train) -> dict:
     return {
         "run": {"dir": str(tmp_path / "run")},
-        "snapshot": {"url": f"memory://session-api-tests/{uuid.uuid4().hex}", "every_steps": 4},
+        "snapshot": {"durable": {"url": f"memory://session-api-tests/{uuid.uuid4().hex}", "every_steps": 4}},
         "train": {"max_epochs": 2, "batch_size": 8, "log_every_steps": 4, **train},
         "log": {"progress_bar": False, "plots": False},
     }
