@@ -24,7 +24,8 @@ import torch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from tests.helpers import procs  # noqa: E402  (every process a job starts is reaped by pid)
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from step_overhead import run_job  # noqa: E402  (this script's directory: launch, wait for the result, reap)
 
 WORKER = pathlib.Path(__file__).resolve().with_name("_custom_loop_worker.py")
 MODES = ("hand", "session")
@@ -37,24 +38,7 @@ def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path) -> float:
                "--rdzv-endpoint=127.0.0.1:0", str(WORKER), f"--mode={mode}", f"--model={model}", f"--steps={steps}",
                f"--out={out}", f"--run-dir={workdir / 'run'}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    job = procs.launch(command, log_path=workdir / f"{out.stem}.log", env=env, cwd=REPO_ROOT)
-    try:
-        # The hand loop can hang in destroy_process_group at exit (gloo's threads and the GIL, as in
-        # step_overhead.py): its result is written before, so such a job is killed 30 s later and the result kept.
-        deadline = time.monotonic() + 600
-        while job.proc.poll() is None and time.monotonic() < deadline and not out.exists():
-            time.sleep(0.2)
-        code = job.wait(30) if out.exists() else job.wait(1)
-    except AssertionError:  # still running: hung at exit, or never wrote a result
-        code = None
-    finally:
-        job.kill_all()
-    if not out.exists():
-        raise RuntimeError(f"{mode} on {model}: no result (exit {code}); log in {job.log_path}")
-    if code != 0:
-        print(f"{mode} on {model}: result written, then {'hung at exit' if code is None else f'exit {code}'}; "
-              "job killed, result kept", file=sys.stderr, flush=True)
-    return json.loads(out.read_text())["step_s"]
+    return run_job(command, env, out, f"{mode} on {model}", workdir)  # the hand loop may hang at exit: see there
 
 
 def main() -> None:

@@ -44,6 +44,11 @@ def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path) -> float:
                "--rdzv-endpoint=127.0.0.1:0", str(WORKER), f"--mode={'hand' if mode == 'hand' else 'elastictrain'}",
                f"--model={model}", f"--steps={steps}", f"--out={out}", f"--run-dir={workdir / 'run'}"]
     env = {**os.environ, "OVERHEAD_CONFIG": json.dumps(MODES[mode] or {})}
+    return run_job(command, env, out, f"{mode} on {model}", workdir)
+
+
+def run_job(command: list[str], env: dict[str, str], out: pathlib.Path, label: str, workdir: pathlib.Path) -> float:
+    """Run one benchmark job whose rank 0 writes ``{"step_s": ...}`` to ``out``, and return that step time."""
     job = procs.launch(command, log_path=workdir / f"{out.stem}.log", env=env, cwd=REPO_ROOT)
     try:
         # The textbook loop can hang in destroy_process_group at exit (gloo's threads and the GIL;
@@ -58,9 +63,9 @@ def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path) -> float:
     finally:
         job.kill_all()
     if not out.exists():
-        raise RuntimeError(f"{mode} on {model}: no result (exit {code}); log in {job.log_path}")
+        raise RuntimeError(f"{label}: no result (exit {code}); log in {job.log_path}")
     if code != 0:
-        print(f"{mode} on {model}: result written, then {'hung at exit' if code is None else f'exit {code}'}; "
+        print(f"{label}: result written, then {'hung at exit' if code is None else f'exit {code}'}; "
               "job killed, result kept", file=sys.stderr, flush=True)
     return json.loads(out.read_text())["step_s"]
 
