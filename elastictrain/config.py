@@ -179,6 +179,22 @@ class StragglersConfig(_Section):
     repeat_after_s: PositiveFloat = 300.0  # a rank that stays slow is named again after this long
 
 
+class AnomalyConfig(_Section):
+    """Self-healing (anomalies.py): what a non-finite or spiking step does."""
+
+    policy: Literal["off", "skip", "rollback"] = "rollback"  # skip: drop the step's update; rollback: replay it to tell data from fault
+    spike_factor: NonNegativeFloat = 0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
+    warmup_steps: NonNegativeInt = 100  # steps of running mean before spikes are judged
+    spike_window_steps: PositiveInt = 100  # the running mean's window (an exponential mean after warm-up)
+    max_rollbacks: NonNegativeInt = 4  # rollbacks in the whole run; past it the run stops with every snapshot intact
+    skip_samples: list[NonNegativeInt] = Field(default_factory=list)  # global sample indices never trained on
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
+
 class DistConfig(_Section):
     distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
@@ -207,6 +223,7 @@ class Config(_Section):
     preempt: PreemptConfig = Field(default_factory=PreemptConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     stragglers: StragglersConfig = Field(default_factory=StragglersConfig)
+    anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

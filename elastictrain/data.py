@@ -52,11 +52,14 @@ def steps_in_epoch(num_samples: int, shard: Shard, offset: int = 0) -> int:
 class ShardedBatchSampler:
     """This rank's micro-batches for one epoch from ``offset`` global samples on (a DataLoader batch_sampler)."""
 
-    def __init__(self, num_samples: int, shard: Shard, seed: int, epoch: int, offset: int, shuffle: bool) -> None:
+    def __init__(self, num_samples: int, shard: Shard, seed: int, epoch: int, offset: int, shuffle: bool,
+                 skip: frozenset[int] | set[int] = frozenset()) -> None:
         self.order = epoch_order(num_samples, seed, epoch, shuffle)
+        if skip:  # the anomaly skip list (anomalies.py): left out of every epoch, the rest keeps its order
+            self.order = [index for index in self.order if index not in skip]
         self.shard = shard
         self.offset = offset
-        self.steps = steps_in_epoch(num_samples, shard, offset)
+        self.steps = steps_in_epoch(len(self.order), shard, offset)
 
     def __len__(self) -> int:
         return self.steps * self.shard.grad_accum_steps

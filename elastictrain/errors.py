@@ -78,6 +78,10 @@ class RepeatedFatalError(ElastictrainError):
         self.exit_code = exit_code
 
 
+class AnomalyError(ElastictrainError):
+    """Anomalies (non-finite or spiking steps) went on past anomaly.max_rollbacks; the snapshots are intact."""
+
+
 class PeerLost(ElastictrainError):
     """A collective failed because another rank died or hung; the launcher restarts the group."""
 

@@ -86,6 +86,13 @@ class Observer:
 
     def preempt_requested(self, signal_name: str, step: int) -> None: ...
 
+    def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
+        """ROLLBACK restored step ``to_step`` in this process; training had reached ``from_step``."""
+
+    def anomaly(self, entry: dict[str, Any]) -> None:
+        """An anomaly's decision (anomalies.py): step, ranks, hosts, value, kind, decision (skip, rollback, data,
+        transient), samples skipped; the same entry as the snapshot's anomaly log."""
+
     def closed(self) -> None:
         """The worker is leaving (any terminal state): stop servers, flush files."""
 
@@ -118,6 +125,12 @@ class Observers(Observer):
 
     def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None:
         self._emit("restored", step, duration_s, from_snapshot)
+
+    def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
+        self._emit("rolled_back", from_step, to_step, duration_s)
+
+    def anomaly(self, entry: dict[str, Any]) -> None:
+        self._emit("anomaly", entry)
 
     def trained(self, interval: TrainInterval) -> None:
         self._emit("trained", interval)

@@ -39,3 +39,32 @@ def hit(name: str, step: int) -> None:
     deadline = time.monotonic() + PAUSE_S
     while not resume.exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # the test kills or signals this process here
+
+
+FAULT_ENV = "ELASTICTRAIN_FAULT"
+FAULT_RANK_ENV = "ELASTICTRAIN_FAULT_RANK"
+
+
+def corrupt_gradients(params: list, step: int) -> None:
+    """Tests of self-healing: ``ELASTICTRAIN_FAULT=grad-inf@<step>:<dir>`` sets one gradient element to inf on
+    rank ``ELASTICTRAIN_FAULT_RANK`` (default 0) after the all-reduce at that step, once per job (the marker
+    ``<dir>/fault-grad-inf.done``): a transient fault. ``grad-inf@<step>+`` does it at every step from there
+    on, every attempt: a persistent one."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target, _, directory = spec.partition(":")
+    name, _, at = target.partition("@")
+    persistent = at.endswith("+")
+    first = int(at.rstrip("+"))
+    if name != "grad-inf" or os.environ.get(FAULT_RANK_ENV, "0") != os.environ.get("RANK", "0"):
+        return
+    if step < first or (not persistent and step != first):
+        return
+    marker = Path(directory or ".") / "fault-grad-inf.done"
+    if not persistent:
+        if marker.exists():
+            return
+        marker.write_text(str(step))
+    grad = next(p.grad for p in params if p.grad is not None)
+    grad.view(-1)[0] = float("inf")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from .events import Observer, RunInfo
 from .states import TERMINAL, State
 
-CAUSES = ("productive", "snapshot", "restore", "recompute", "evaluate", "restart")
+CAUSES = ("productive", "snapshot", "restore", "recompute", "evaluate", "restart", "rollback")
 HIGH_WATER_KEY = "high_water_step"  # in RunInfo.store: the highest global step any attempt trained to
 # Rank 0 writes its step to the store at most this often: one small set() a second, and a killed
 # attempt's last steps before it (at most this long of training) are counted as productive.
@@ -35,7 +35,7 @@ HIGH_WATER_EVERY_S = 1.0
 
 # Seconds spent in a state go to one cause; TRAIN is split between productive and recompute by step.
 _CAUSE_OF_STATE = {State.SNAPSHOT: "snapshot", State.LOCAL_SNAPSHOT: "snapshot", State.RESTORE: "restore",
-                   State.EVALUATE: "evaluate"}
+                   State.EVALUATE: "evaluate", State.ROLLBACK: "rollback"}
 
 # A Trainer run twice in one process (a notebook, an in-process test) must not count the
 # process's whole age as the second run's restart time: it counts from the first one's end.
@@ -87,6 +87,12 @@ class Goodput(Observer):
         if from_snapshot:  # after load_state_dict: added on top of the restored totals
             with self._lock:
                 self._count_restart()
+
+    def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
+        """The replay of a rollback (anomalies.py) re-trains steps this attempt had reached: recompute."""
+        with self._lock:
+            self._high_water_step = max(self._high_water_step, from_step)
+            self._step = to_step
 
     def stepped(self, step: int) -> None:
         """An optimizer step is done (called by the loop at every step: a clock read, a store write a second)."""

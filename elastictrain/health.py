@@ -1,4 +1,4 @@
-"""Health: the preemption signals, the vote every rank agrees on, the watchdog and the stragglers.
+"""Health: the preemption signals, the vote every rank agrees on, the watchdog, the stragglers and anomalies.
 
 A signal is only recorded on the rank that got it; ``requests`` turns it, and the tiers' timers,
 into this rank's ``Requests``; ``post`` (overlapped with the steps) and ``settle`` (synchronous,
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 
+from .anomalies import Anomalies
 from .config import Config
 from .dist import DistContext
 from .events import Observers
 from .hangs import WatchdogSettings
+from .runstate import RunState
 from .signals import PREEMPTED_EXIT_CODE, PreemptionSignals, requeue_slurm_job
 from .stragglers import GradientSyncTimer, StragglerReport, StragglerSettings
 from .tiers import SnapshotTiers
@@ -24,8 +26,9 @@ log = logging.getLogger("elastictrain")
 
 
 class Health:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, state: RunState) -> None:
         self.cfg = cfg
+        self.anomalies = Anomalies(cfg.anomaly, state.anomalies, state.grad_norms)  # self-healing (anomalies.py)
         self.signals = PreemptionSignals(cfg.preempt.signals)
         self.sync_timer = GradientSyncTimer()  # each rank's wait in the gradient all-reduce: stragglers
         self.watchdog: Watchdog | None = None
@@ -41,16 +44,19 @@ class Health:
         if ctx.is_main:
             events.add(StragglerReport(StragglerSettings(**self.cfg.stragglers.model_dump())))
         self.vote = StepVote(ctx, self.cfg.preempt.vote_every_s)
+        self.anomalies.attach(ctx, events)
 
     def beat(self, step: int) -> None:
         self.watchdog.beat(step)
 
     def requests(self, tiers: SnapshotTiers, step: int) -> Requests:
-        """This rank's requests now: a signal it received, rank 0's timers, a background write that failed."""
+        """This rank's requests now: a signal it received, rank 0's timers, a background write that failed, an
+        anomaly waiting for its rollback."""
         self.announce(step)
         tiers.poll()
         return Requests(preempt=self.signals.requested is not None, snapshot=tiers.durable_due(),
-                        snapshot_failed=tiers.write_failed(), local_snapshot=tiers.local_due())
+                        snapshot_failed=tiers.write_failed(), local_snapshot=tiers.local_due(),
+                        anomaly=self.anomalies.pending is not None)
 
     def post(self, tiers: SnapshotTiers, step: int) -> Requests:
         """At a step boundary: what the ranks agreed at the previous vote; this rank's requests travel meanwhile."""

@@ -37,10 +37,13 @@ class Plan:
 
 
 def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> State:
-    """What follows RESTORE, TRAIN, EVALUATE or SNAPSHOT, given where training is and what the ranks asked for."""
+    """What follows RESTORE, TRAIN, EVALUATE, SNAPSHOT or ROLLBACK, given where training is and what the ranks asked for."""
     # ``last_snapshot_step`` is the step of the last snapshot *taken*, committed or not: a
     # failed one is retried at the next interval, never in a loop at the same step.
     snapshot_taken = progress.last_snapshot_step == progress.global_step
+    if requests.anomaly:
+        # Before anything else: no snapshot, evaluation or stop may start from a step some rank found anomalous.
+        return State.ROLLBACK
     if requests.preempt:
         # Stop with nothing lost: a snapshot of this very step first (none is needed at step 0).
         return State.PREEMPTED if snapshot_taken or progress.global_step == 0 else State.SNAPSHOT

@@ -64,6 +64,10 @@ class WeightedSums:
         self._folded = (len(self._samples), sums)
         return names, list(sums), self.count
 
+    def discard(self) -> None:
+        """Forget the values since the last reduce (a rollback replays their steps)."""
+        self._values, self._samples, self._folded = [], [], (0, [])
+
     def reduce(self, ctx: DistContext, flags: list[float] = ()) -> tuple[dict[str, float], list[float]]:
         """Sample-weighted means over all ranks since the last reduce, and the flags summed over ranks."""
         if not self._agreed and self.names is not None:  # the same on every rank: they add in the same steps

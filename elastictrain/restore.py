@@ -37,16 +37,21 @@ class Restored:
     duration_s: float
 
 
-def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, started: float) -> Restored | None:
+def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, started: float,
+                   keep: tuple[str, ...] = ()) -> Restored | None:
     """Every rank: load the newest valid snapshot of either tier into ``durable``'s objects; None to start fresh.
 
-    Sets ``durable.last_committed`` to the durable store's newest committed snapshot.
+    Sets ``durable.last_committed`` to the durable store's newest committed snapshot. ``keep``: a
+    rollback in the running process (anomalies.py), which leaves those objects as they are, reads
+    the snapshots whatever ``snapshot.resume`` says, and finds the fast tier joined already.
     """
+    rollback = bool(keep)
+    resume = durable.cfg.snapshot.resume or rollback
     local_steps, local_found = [-1], None
     if fast is not None:
-        refused = fast.join_run(run_id)
+        refused = None if rollback else fast.join_run(run_id)
         if refused is None:
-            local_found = fast.newest_local() if durable.cfg.snapshot.resume else fast.clear()
+            local_found = fast.newest_local() if resume else fast.clear()
         offer = (local_found[0].step if local_found else -1, durable.ctx.env.node_rank, refused)
         local_steps, nodes, refusals = zip(*all_gather(offer, durable.ctx))
         for refusal in filter(None, refusals):  # every rank stops with the first node's line
@@ -55,7 +60,7 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     found, error = None, None
     if durable.ctx.is_main:
         try:
-            if durable.cfg.snapshot.resume:
+            if resume:
                 found = durable.store.latest_valid(newer_than=newest_local)
                 if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
                     committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]
@@ -73,14 +78,14 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
         raise getattr(errors, error[0], ElastictrainError)(error[1])
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
         objects = broadcast_bytes_from_main(found[1] if found else None, durable.ctx)
-        load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}")
+        load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
         durable.last_committed = (manifest.step, manifest.created_unix)
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
         objects = broadcast_bytes_from_main(local_found[1] if local_found else None, durable.ctx, src=holder)
-        load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}")
-        log.info("restored step %d from the node-local tier of node %d (rank %d)%s%s", manifest.step, nodes[holder],
+        load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
+        log.info("%s step %d from the node-local tier of node %d (rank %d)%s%s", "rolled back to" if rollback else "restored", manifest.step, nodes[holder],
                  holder, " (a survivor copy)" if manifest.meta.get("survivor") else "",
                  "" if holder == durable.ctx.rank else ", sent to this rank")
     else:
@@ -89,8 +94,10 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
 
-def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str) -> None:
-    """Load a snapshot's bytes into ``target``'s model, Statefuls and this rank's RNG, after the resume checks."""
+def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str,
+                  keep: tuple[str, ...] = ()) -> None:
+    """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
+    after the resume checks."""
     for name in (MODEL_OBJECT, STATE_OBJECT):
         if name not in objects:
             raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
@@ -106,6 +113,8 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
         warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
     for name, component in target.statefuls.items():
+        if name in keep:
+            continue
         saved = state.get(name)
         if component is not None and saved is not None:
             component.load_state_dict(saved)
@@ -138,5 +147,6 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
             "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
             where, saved_env["world_size"], target.ctx.world_size, progress.epoch_offset, progress.epoch,
         )
-    log.info("restored %s: step %d, epoch %d, sample %d of the epoch", where, progress.global_step,
+    log.info("%s %s: step %d, epoch %d, sample %d of the epoch", "rolled back to" if keep else "restored", where,
+             progress.global_step,
              progress.epoch, progress.epoch_offset)

@@ -3,29 +3,36 @@
 Every snapshot holds these beside the user's registered state, under their own names:
 ``progress`` (step, epoch, data position), ``history`` (reduced metrics), ``run_log`` (one
 record per attempt), ``goodput`` (its counters), ``batch_geometry`` (the global batch the
-elastic policy kept) and ``threads`` (the intra-op thread count every start pins).
+elastic policy kept), ``threads`` (the intra-op thread count every start pins), ``anomalies``
+(the skip lists and every anomaly's decision) and ``grad_norms`` (the running gradient norms
+spikes are judged against). A rollback restores all but ``ROLLBACK_KEEPS``: what the process
+measured and what the rollback learned.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .anomalies import AnomalyLog, GradNormStatistic
 from .geometry import BatchGeometry
 from .goodput import Goodput
 from .snapshot import History, Progress, RunLog
 from .threads import ThreadPin
 
-RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads")
+RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "anomalies", "grad_norms")
+ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies")
 
 
 class RunState:
-    def __init__(self, intra_op_threads: int | str) -> None:
+    def __init__(self, intra_op_threads: int | str, skip_samples: list[int] = ()) -> None:
         self.progress = Progress()
         self.history = History()
         self.run_log = RunLog()
         self.goodput = Goodput()  # on every rank: its counters travel in the snapshot
         self.batch_geometry = BatchGeometry()
         self.threads = ThreadPin(intra_op_threads)  # bits: the run's thread count at every start
+        self.anomalies = AnomalyLog(skip_samples)
+        self.grad_norms = GradNormStatistic()
 
     def statefuls(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in RESERVED_NAMES}

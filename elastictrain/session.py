@@ -29,10 +29,11 @@ from typing import Any, Callable, Iterator
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import ddp, dist, launch_env
+from . import ddp, dist, failpoints, launch_env
+from .anomalies import grad_norm
 from .config import Config, load_config
 from .data import Shard
-from .errors import ConfigError, UsageError
+from .errors import AnomalyError, ConfigError, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
@@ -40,7 +41,7 @@ from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
 from .registry import Registry
-from .runstate import RunState
+from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
 from .summary import RunSummary, attach_reporters, summarize
@@ -61,10 +62,11 @@ class Session:
     def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
                  observers: list[Observer] = ()) -> None:
         self.cfg = load_config(config, list(overrides))
-        self.state = RunState(self.cfg.train.intra_op_threads)
+        self.state = RunState(self.cfg.train.intra_op_threads, self.cfg.anomaly.skip_samples)
         self.machine = StateMachine()
         self.events = Observers([self.state.goodput, *observers])
-        self.health = Health(self.cfg)
+        self.health = Health(self.cfg, self.state)
+        self.anomalies = self.health.anomalies
         self.ctx: dist.DistContext | None = None
         self.tiers: SnapshotTiers | None = None
         self.summary: RunSummary | None = None
@@ -167,7 +169,8 @@ class Session:
             raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
                              "snapshots keep; build one loader")
         self._data = TrainData(dataset, collate_fn, self.cfg, self.ctx, self.state.progress, self.shard,
-                               on_end_without_step=lambda: self._boundary(stepped=False))
+                               on_end_without_step=lambda: self._boundary(stepped=False),
+                               skipped=self.state.anomalies.skipped_samples)
         return Loader(self._data, lambda: self.machine.finished)
 
     def evaluate_with(self, evaluate: Callable[[], dict[str, float]]) -> None:
@@ -239,8 +242,27 @@ class Session:
 
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
-        ranks every train.log_every_steps (and recorded as ``train_<name>``)."""
+        ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
+        if "loss" in values and self.anomalies.active:
+            self.anomalies.loss(values["loss"], self.global_step + 1)
         self.metrics.add(samples, values)
+
+    def gradients_ok(self, parameters: Any = None, *, norm: float | None = None) -> bool:
+        """Before an optimizer step, the gradients in place: False when this step's update must not be taken (its
+        gradient norm is non-finite or spikes, anomaly.*; or the step is on the skip list). Every rank gets the
+        same answer from the all-reduced gradients. ``parameters``: a module or parameters (default: every
+        registered model's); ``norm``: their global gradient norm, if computed already (clipping)."""
+        self._training("gradients_ok")
+        step = self.global_step + 1
+        if not self.anomalies.active and step not in self.state.anomalies.skipped_steps:
+            return True
+        if norm is None:
+            if parameters is None:
+                parameters = self.model.parameters()
+            elif isinstance(parameters, nn.Module):
+                parameters = parameters.parameters()
+            norm = grad_norm(parameters)
+        return self.anomalies.gradients_ok(norm, step)
 
     def gradients_ready(self) -> None:
         """For step runners: every rank holds this step's gradients, the optimizer step follows (survivor copies
@@ -254,6 +276,10 @@ class Session:
         ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
         self._training("step")
         data = self._data
+        if self.anomalies.active:
+            if "loss" in values:
+                self.anomalies.loss(values["loss"], self.global_step + 1)
+            self.anomalies.stepped(self.global_step + 1, data.step_samples if data is not None else lambda: None)
         if data is not None:
             taken = data.take()
             if len(taken) != self.shard.grad_accum_steps:
@@ -286,14 +312,19 @@ class Session:
             self._reduce_train_metrics()
         self.health.announce(step)
         # The vote posted now is read at the next voting boundary: it overlaps the steps between.
-        requests = self.health.post(self.tiers, step)
+        requests = self.health.post(self.tiers, step) | self.anomalies.due(step, self.tiers.local is not None)
+        if self.anomalies.verifying(step):  # a replay at its anomalous step: every rank learns whether it recurred
+            requests |= self.health.settle(self.tiers, step)
+            if not requests.anomaly:
+                self.anomalies.replayed_clean(step)
         if requests.snapshot_failed:
             self.tiers.durable.raise_write_failure()
         if self._next_state(requests) is not State.TRAIN:
-            if self.metrics.pending:
-                self._reduce_train_metrics()
             # Leave TRAIN with nothing in flight and everything every rank asked for.
-            self._run(self._next_state(requests | self.health.settle(self.tiers, step)))
+            state = self._next_state(requests | self.health.settle(self.tiers, step))
+            if self.metrics.pending and state is not State.ROLLBACK:  # a rollback replays the values instead
+                self._reduce_train_metrics()
+            self._run(state)
         self._step_started = time.perf_counter()
 
     # -- the states after TRAIN ---------------------------------------------------------------
@@ -313,7 +344,7 @@ class Session:
             if state is State.PREEMPTED:
                 raise Preempted(self.health.signals.requested or "signal", self.global_step)
             state = {State.EVALUATE: self._evaluate_now, State.SNAPSHOT: self._snapshot,
-                     State.LOCAL_SNAPSHOT: self._local_snapshot}[state]()
+                     State.LOCAL_SNAPSHOT: self._local_snapshot, State.ROLLBACK: self._rollback}[state]()
 
     def _next_state(self, requests: Requests) -> State:
         if requests.preempt:  # recorded before the preemption snapshot: the next attempt reads this one as no failure
@@ -339,6 +370,24 @@ class Session:
         # No vote here: the ranks agreed on everything when they left TRAIN, nothing is in flight, and
         # a request raised during the copy is read at the next voting step (a collective saved per copy).
         return self._next_state(NOTHING)
+
+    def _rollback(self) -> State:
+        """ROLLBACK: judge what every rank saw, restore the newest snapshot in this process, replay from there."""
+        failpoints.hit("rollback", self.global_step)  # tests: a rank killed in the middle of a rollback
+        rolled_from, started = self.global_step, time.monotonic()
+        verdict = self.anomalies.agree()
+        samples = self.anomalies.replayed_samples if verdict.action == "data" else None
+        restored = self.tiers.roll_back(ROLLBACK_KEEPS)
+        if restored is None:
+            raise AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {verdict.value}) and no snapshot to roll "
+                               "back to yet: training stopped; take snapshots more often (snapshot.local.every_steps), "
+                               "or set anomaly.policy=skip")
+        self.metrics.discard()
+        self.anomalies.rolled_back(verdict, samples, restored.step)  # the skip list first: the data reopens with it
+        if self._data is not None:
+            self._data.reopen()
+        self.events.rolled_back(rolled_from, restored.step, time.monotonic() - started)
+        return self._next_state(self.health.settle(self.tiers, self.global_step))
 
     def _meta(self) -> dict[str, Any]:
         p = self.state.progress
@@ -383,7 +432,7 @@ class Session:
         lost = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx, self.cfg.preempt.requeue)
         if lost is not None:
             self._peer_lost = True
-            if self.tiers is not None and state is State.TRAIN:
+            if self.tiers is not None and state is State.TRAIN and self.anomalies.pending is None:
                 self.tiers.write_survivor_copy(self.metrics.record, self._meta(), self._rank_label,
                                                time.monotonic() - self._started, self.registry, self._marks_ahead)
         if not self.machine.finished:

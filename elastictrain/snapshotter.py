@@ -97,7 +97,12 @@ class Snapshotter:
         store is read only when it holds a newer one (``restore.py``).
         """
         started = time.monotonic()  # the restore's duration counts opening the store too
-        return restore_newest(self, fast, self._open_store(), started)
+        self._run_id = self._open_store()
+        return restore_newest(self, fast, self._run_id, started)
+
+    def roll_back(self, fast: Snapshotter | None, keep: tuple[str, ...]) -> Restored | None:
+        """ROLLBACK: ``restore`` again in this process, the store open, the objects in ``keep`` left alone."""
+        return restore_newest(self, fast, self._run_id, time.monotonic(), keep)
 
     def _open_store(self) -> str:
         """Rank 0 checks that the durable store is writable, takes its lease and reads the run's id; every rank
@@ -273,6 +278,11 @@ class Snapshotter:
 
     def poll(self) -> list[SnapshotReport]:
         """Rank 0, between steps: the reports of background writes finished since the last poll."""
+        return self._writes.poll()
+
+    def finish_writes(self) -> list[SnapshotReport]:
+        """This process's write in flight, finished, and the reports not yet polled (a fast tier's, before a rollback)."""
+        self._writes.join()
         return self._writes.poll()
 
     @property

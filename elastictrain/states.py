@@ -21,6 +21,7 @@ class State(enum.Enum):
     EVALUATE = "evaluate"  # one pass over the validation data
     SNAPSHOT = "snapshot"  # the whole training state committed to storage
     LOCAL_SNAPSHOT = "local_snapshot"  # the whole training state copied to each node's fast tier
+    ROLLBACK = "rollback"  # an anomaly: the newest snapshot restored in-process, to replay (anomalies.py)
     PREEMPTED = "preempted"  # stopped on request with a snapshot written; the next launch resumes
     DONE = "done"  # training finished; final snapshot written
     FAILED = "failed"  # an exception ended the worker
@@ -33,7 +34,11 @@ _EDGES: dict[State, frozenset[State]] = {
     State.SETUP: frozenset({State.RESTORE}),
     # RESTORE -> PREEMPTED: a signal before the first step, with the restored snapshot current.
     State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
-    State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
+    State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED,
+                            State.ROLLBACK}),
+    # ROLLBACK restores a snapshot as RESTORE does, then goes on as after it (or rolls back again).
+    State.ROLLBACK: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE,
+                               State.PREEMPTED, State.ROLLBACK}),
     State.EVALUATE: frozenset({State.TRAIN, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
     # PREEMPTED and DONE are entered after their snapshot is committed.
     State.SNAPSHOT: frozenset({State.TRAIN, State.EVALUATE, State.DONE, State.PREEMPTED}),

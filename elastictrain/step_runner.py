@@ -30,6 +30,7 @@ class StepRunner:
         self.session, self.model, self.optimizer = session, model, optimizer
         self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
         self.clip_grad_norm = train.clip_grad_norm
+        self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
         self._autocast = lambda: autocast(train.autocast_dtype, session.device)
 
@@ -48,10 +49,21 @@ class StepRunner:
         # step, which its peers also finish, still leaves a slot naming the step they are at.
         session.gradients_ready()
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
-        if self.clip_grad_norm is not None:
+        failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
+        norm = None
+        if self.clip_grad_norm is not None or session.anomalies.active:
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
+        # A scaler's non-finite gradients are its own to handle (it skips the step and lowers the scale).
+        if not (scaler is not None and norm is not None and not torch.isfinite(norm)) and \
+                not session.gradients_ok(norm=float(norm) if norm is not None else None):
+            optimizer.zero_grad(set_to_none=True)  # the update is not taken: an anomaly, or a listed step
+            if scaler is not None:
+                scaler.update(scaler.get_scale())  # forget this step's unscale, keep the scale and its growth count
+            return
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

@@ -70,6 +70,16 @@ class SnapshotTiers:
         """The newest valid snapshot either tier holds, on every rank (Snapshotter.restore says how)."""
         return self.durable.restore(self.local)
 
+    def roll_back(self, keep: tuple[str, ...]) -> Restored | None:
+        """ROLLBACK, on every rank: background writes finished, then the newest valid snapshot of either tier
+        loaded into everything but ``keep`` (anomalies.py)."""
+        for report in self.durable.flush():
+            self.events.snapshotted(report)
+        if self.local is not None and self.local.is_writer:
+            for report in self.local.finish_writes():
+                self.events.snapshotted(report)
+        return self.durable.roll_back(self.local, keep)
+
     def begin(self, started_unix: float) -> None:
         """After RESTORE: start the timers from the run's record; open the survivor slots (a fresh start cleared them)."""
         # snapshot.durable.every_s counts from the durable store's newest snapshot (the run's first start

@@ -38,9 +38,12 @@ _UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the
 
 class TrainData:
     def __init__(self, dataset: Dataset, collate_fn: Callable | None, cfg: Config, ctx: dist.DistContext,
-                 progress: Progress, shard: Shard, on_end_without_step: Callable[[], None]) -> None:
+                 progress: Progress, shard: Shard, on_end_without_step: Callable[[], None],
+                 skipped: set[int] = frozenset()) -> None:
         self.dataset, self.collate_fn, self.cfg, self.ctx, self.progress = dataset, collate_fn, cfg, ctx, progress
         self.shard = shard
+        self.skipped = skipped  # global sample indices left out of every epoch (the anomaly log's, updated in place)
+        self._order: list[int] = []  # the epoch's global order, as the sampler reads it
         self.stream = is_stream(dataset)
         self.samples = None if self.stream else len(dataset)
         self._on_end_without_step = on_end_without_step  # the session ends the epoch then
@@ -102,6 +105,18 @@ class TrainData:
             self.steps_left -= 1
             yield [to_device(b, self.ctx.device) for b in batches]
 
+    def reopen(self) -> None:
+        """After a rollback restored the position: the same loop goes on from there (the epoch reopened)."""
+        self._batches, self.taken, self.steps_left = None, [], 0
+        self._open_epoch()
+
+    def step_samples(self) -> list[int] | None:
+        """The global sample indices of the step being taken (before the position moves on); None for a stream."""
+        if self.stream:
+            return None
+        start = self.progress.epoch_offset
+        return self._order[start:start + self.shard.samples_per_step]
+
     def take(self) -> list[int]:
         taken, self.taken = self.taken, []
         return taken
@@ -113,7 +128,8 @@ class TrainData:
             self._batches, self.steps_left = iter(loader), _UNTIL_EXHAUSTED
             return
         sampler = ShardedBatchSampler(len(self.dataset), self.shard, self.cfg.run.seed, epoch,
-                                      self.progress.epoch_offset, self.cfg.data.shuffle)
+                                      self.progress.epoch_offset, self.cfg.data.shuffle, self.skipped)
+        self._order = sampler.order
         loader = make_loader(self.dataset, sampler, self.cfg.data.num_workers, seed, self.collate_fn,
                              seed_in_process=self.cfg.train.virtual_shards > 0)  # the same numbers whichever rank fetches a sample
         self._batches = iter(loader)

@@ -38,6 +38,11 @@ class TrainMetrics:
         """RESTORE: the first interval starts at the restored step."""
         self.interval = _Interval(self.run.progress.global_step, time.monotonic())
 
+    def discard(self) -> None:
+        """ROLLBACK: the values since the last reduce are replayed; the interval starts at the restored step."""
+        self.sums.discard()
+        self.begin()
+
     def add(self, samples: int, values: dict[str, Any]) -> None:
         self.sums.add(samples, values)
 

@@ -45,6 +45,7 @@ class Requests:
     snapshot: bool = False  # rank 0's snapshot.durable.every_s timer fired
     snapshot_failed: bool = False  # rank 0's background snapshot write failed for good: every rank stops
     local_snapshot: bool = False  # rank 0's fast-tier timer fired (snapshot.local.every_s)
+    anomaly: bool = False  # some rank saw a non-finite or spiking step (anomaly.policy=rollback): every rank rolls back
 
     def __or__(self, other: "Requests") -> "Requests":
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})

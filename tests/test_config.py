@@ -148,7 +148,7 @@ def test_a_key_from_before_the_tier_sections_is_refused_naming_its_new_key(tmp_p
 
 
 # Floats that are not durations; every other float key is one, in seconds, and its name ends in _s.
-NOT_DURATIONS = {"train.clip_grad_norm", "watchdog.step_multiple", "stragglers.factor"}
+NOT_DURATIONS = {"train.clip_grad_norm", "watchdog.step_multiple", "stragglers.factor", "anomaly.spike_factor"}
 
 
 def _leaves(model, prefix=""):

@@ -1,0 +1,364 @@
+"""Self-healing: a non-finite or spiking step is skipped, or rolled back and replayed to tell data from fault.
+
+What is checked, on every rank, before each optimizer step: the global gradient norm
+(``session.gradients_ok()``; ``StepRunner`` calls it). After the gradient all-reduce every rank
+holds the same gradients, so every rank computes the same norm and takes the same decision at
+the same step with no collective. The loss each rank logs (``loss=``) is checked too: a rank's
+own number, so a non-finite loss only rides the vote (rollback mode), and it names the rank a
+NaN came from before the all-reduce spread it.
+
+``anomaly.policy``:
+
+- ``skip``: the optimizer step is not taken (the gradients are dropped), one line, and the
+  step's global sample indices are recorded in the snapshot's anomaly log. Forward passes have
+  run: buffers they update (BatchNorm statistics) keep what the step's forward put there.
+- ``rollback`` (the default): this rank skips the update too and raises a request the vote
+  makes every rank's; at the agreed step every rank enters ROLLBACK, restores the newest
+  snapshot in-process (the fast tier first) and replays bitwise. A fast copy of the step before
+  the anomaly is taken during the replay. If the anomaly recurs at the same step, it is the
+  data: the step's samples go on the skip list (in every snapshot, honoured by every later
+  attempt and world size: the sampler leaves them out of each epoch's order) and the run rolls
+  back once more, to that copy, and goes on without them — its numbers are then those of a run
+  given the same list up front (``anomaly.skip_samples``). If it does not recur, it was a
+  transient fault: one line naming the rank and host where that can be told, a counter, and
+  the run goes on, bitwise equal to an unbroken one.
+
+Every rollback counts against ``anomaly.max_rollbacks``; past it the run stops with one line
+(an ``AnomalyError``, recorded so that restarts do not retry it), every snapshot intact.
+``judge`` (what a rollback does, from every rank's sightings) is pure and table-tested.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .collectives import all_gather
+from .config import AnomalyConfig
+from .dist import DistContext
+from .errors import AnomalyError
+from .vote import NOTHING, Requests
+
+log = logging.getLogger("elastictrain")
+
+SHOWN_SAMPLES = 8  # sample indices named in a log line (the snapshot's anomaly log keeps them all)
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What one rank saw: the first anomalous step since the last rollback, the value, and where."""
+
+    step: int
+    value: float
+    kind: str  # "gradient norm" or "loss"
+    host: str
+    spike: bool = False  # a finite value over anomaly.spike_factor times its running mean
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a ROLLBACK does: ``rollback`` (replay to tell data from fault), ``data`` (it recurred: skip the
+    step's samples) or ``stop`` (over the budget)."""
+
+    action: str
+    step: int
+    ranks: tuple[int, ...]
+    value: float
+    kind: str
+    origin: tuple[int, ...] = ()  # the ranks whose own loss was non-finite at that step: where a NaN came from
+
+
+def judge(sightings: list[Sighting | None], replaying: int | None, rollbacks: int, budget: int) -> Verdict:
+    """From every rank's sighting (None: saw nothing), the step being replayed (None: no replay) and the
+    rollbacks so far: what this rollback does. The same on every rank (the sightings are gathered)."""
+    seen = [(rank, s) for rank, s in enumerate(sightings) if s is not None]
+    if not seen:
+        raise RuntimeError("ROLLBACK without an anomaly on any rank")  # decide() only enters it on one
+    step = min(s.step for _, s in seen)
+    at_step = [(rank, s) for rank, s in seen if s.step == step]
+    ranks = tuple(rank for rank, _ in at_step)
+    gradient = [s for _, s in at_step if s.kind == "gradient norm"]
+    first = (gradient or [s for _, s in at_step])[0]
+    origin = tuple(rank for rank, s in at_step if s.kind == "loss")
+    if rollbacks >= budget:
+        action = "stop"
+    elif replaying == step:
+        action = "data"
+    else:
+        action = "rollback"
+    return Verdict(action, step, ranks, first.value, first.kind, origin)
+
+
+class GradNormStatistic:
+    """The running mean of each check's gradient norm (one per ``gradients_ok`` call in a step): training
+    state, in every snapshot and restored by a rollback, so a resumed run judges spikes as an unbroken one."""
+
+    def __init__(self) -> None:
+        self.means: list[float] = []
+        self.counts: list[int] = []
+
+    def is_spike(self, index: int, norm: float, factor: float, warmup_steps: int) -> bool:
+        if factor <= 0 or index >= len(self.means) or self.counts[index] < warmup_steps:
+            return False
+        return norm > factor * self.means[index]
+
+    def update(self, index: int, norm: float, window: int) -> None:
+        while len(self.means) <= index:
+            self.means.append(0.0)
+            self.counts.append(0)
+        count = self.counts[index] + 1
+        weight = 1.0 / min(count, window)  # the plain mean while warming up, then an exponential one
+        self.means[index] += weight * (norm - self.means[index])
+        self.counts[index] = count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"means": list(self.means), "counts": list(self.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.means = [float(m) for m in state_dict.get("means", [])]
+        self.counts = [int(c) for c in state_dict.get("counts", [])]
+
+
+class AnomalyLog:
+    """What the run learned: the skip lists, every anomaly and its decision, the counters. In every snapshot;
+    a rollback keeps it (it is what the rollback found out), a restart restores it."""
+
+    def __init__(self, skip_samples: Iterable[int] = ()) -> None:
+        self.preset = frozenset(int(i) for i in skip_samples)  # anomaly.skip_samples: given, not learned
+        self.skipped_samples: set[int] = set(self.preset)  # global sample indices the sampler leaves out
+        self.skipped_steps: set[int] = set()  # steps whose update is not taken (a loop without map-style data)
+        self.entries: list[dict[str, Any]] = []
+        self.counts = {"skip": 0, "rollback": 0, "data": 0, "transient": 0}
+
+    def add(self, **entry: Any) -> None:
+        self.entries.append(entry)
+        self.counts[entry["decision"]] = self.counts.get(entry["decision"], 0) + 1
+
+    @property
+    def rollbacks(self) -> int:
+        return self.counts["rollback"] + self.counts["data"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_samples": sorted(self.skipped_samples - self.preset), "skipped_steps": sorted(self.skipped_steps),
+                "entries": [dict(e) for e in self.entries], "counts": dict(self.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_samples.clear()  # in place: the training data holds this very set
+        self.skipped_samples.update(self.preset, (int(i) for i in state_dict.get("skipped_samples", [])))
+        self.skipped_steps = {int(s) for s in state_dict.get("skipped_steps", [])}
+        self.entries = [dict(e) for e in state_dict.get("entries", [])]
+        self.counts = {**self.counts, **{k: int(v) for k, v in state_dict.get("counts", {}).items()}}
+
+
+class Anomalies:
+    """One rank's anomaly checks and the bookkeeping of a rollback's replay. ``log``/``stats`` are in snapshots."""
+
+    def __init__(self, cfg: AnomalyConfig, record: AnomalyLog, stats: GradNormStatistic) -> None:
+        self.cfg, self.record, self.stats = cfg, record, stats
+        self.active = cfg.policy != "off"
+        self.host = socket.gethostname()
+        self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
+        self.replaying: int | None = None  # the anomalous step a replay is heading for
+        self.replay_origin: Verdict | None = None  # what was seen the first time, for the transient line
+        self._index = 0  # which gradients_ok call of the step
+        self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
+        self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
+        self.events: Any = None
+        self.ctx: DistContext | None = None
+
+    def attach(self, ctx: DistContext, events: Any) -> None:
+        self.ctx, self.events = ctx, events
+
+    # -- the checks (every step) ---------------------------------------------------------------
+
+    def gradients_ok(self, norm: float, step: int) -> bool:
+        """Before the optimizer step of ``step`` (1-based): True to take it."""
+        index, self._index = self._index, self._index + 1
+        if step in self.record.skipped_steps:
+            return False  # listed: this step's update was found to come from its data
+        if not self.active:
+            return True
+        spike = math.isfinite(norm) and self.stats.is_spike(index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
+        if math.isfinite(norm) and not spike:
+            self.stats.update(index, norm, self.cfg.spike_window_steps)
+            return True
+        if self.cfg.policy == "skip":
+            self._skip(step, norm, spike)
+        elif self.pending is None:
+            self.pending = Sighting(step, norm, "gradient norm", self.host, spike)
+        return False
+
+    def loss(self, value: Any, step: int) -> None:
+        """A rank's own loss of ``step``: a non-finite one is raised for the vote (rollback mode)."""
+        if self.cfg.policy != "rollback" or step in self.record.skipped_steps:
+            return
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if math.isfinite(number):
+            return
+        if self.pending is None or self.pending.step > step:
+            self.pending = Sighting(step, number, "loss", self.host)
+
+    def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
+        """``session.step()`` of ``step``, before the data position moves on: the step's samples where wanted."""
+        self._index = 0
+        if self._skipped_now is not None:
+            entry, self._skipped_now = self._skipped_now, None
+            entry["samples"] = samples() or []
+            self.record.add(**entry)
+            self._say_skip(entry)
+        if self.replaying == step:
+            self._replayed_samples = samples()
+
+    def _skip(self, step: int, norm: float, spike: bool) -> None:
+        if self._skipped_now is None:  # the first check of the step that failed names it
+            self._skipped_now = {"step": step, "value": norm, "kind": "gradient norm", "spike": spike,
+                                 "decision": "skip", "ranks": "every rank" if self._agreed() else "this rank"}
+
+    def _agreed(self) -> bool:
+        return True  # a gradient norm is computed from the all-reduced gradients: the same on every rank
+
+    def _say_skip(self, entry: dict[str, Any]) -> None:
+        if self.ctx is not None and self.ctx.is_main:
+            log.warning("anomaly at step %d: %s; the optimizer step was skipped (anomaly.policy=skip), its %d samples "
+                        "recorded (%s)", entry["step"], _what(entry["kind"], entry["value"], entry["spike"], self.cfg),
+                        len(entry["samples"]), _shown(entry["samples"]))
+        self._emit(entry)
+
+    # -- the vote and the replay ----------------------------------------------------------------
+
+    def requests(self) -> Requests:
+        """This rank's part of the vote: an anomaly waiting for its rollback."""
+        return Requests(anomaly=True) if self.pending is not None else NOTHING
+
+    def due(self, step: int, fast_tier: bool) -> Requests:
+        """Every rank at the same step of a replay: a copy of the step before the anomaly, to roll back to should
+        it recur (so that the run then goes on from there without its samples)."""
+        if self.replaying is not None and step == self.replaying - 1:
+            return Requests(local_snapshot=True) if fast_tier else Requests(snapshot=True)
+        return NOTHING
+
+    def verifying(self, step: int) -> bool:
+        """The replay reached the anomalous step: every rank settles the vote here to learn whether it recurred."""
+        return self.replaying is not None and step == self.replaying
+
+    def replayed_clean(self, step: int) -> None:
+        """The replay passed the anomalous step with no anomaly on any rank: a transient fault."""
+        seen = self.replay_origin
+        self.replaying, self.replay_origin = None, None
+        entry = {"step": step, "value": seen.value, "kind": seen.kind, "decision": "transient",
+                 "ranks": list(seen.ranks), "hosts": self._hosts(seen.ranks)}
+        self.record.add(**entry)
+        if self.ctx.is_main:
+            log.warning("step %d replayed clean: the anomaly (%s %s) was a transient fault%s; training goes on "
+                        "(transient faults so far: %d)", step, seen.kind, _number(seen.value), self._where(seen),
+                        self.record.counts["transient"])
+        self._emit(entry)
+
+    def agree(self) -> Verdict:
+        """ROLLBACK, on every rank: gather what each rank saw and judge it; say it in one line; stop past the budget."""
+        sightings = all_gather(self.pending, self.ctx) if self.ctx.distributed else [self.pending]
+        self._hosts_by_rank = [s.host if s is not None else None for s in sightings]
+        verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
+        what = f"{verdict.kind} {_number(verdict.value)}" + (" (a spike)" if any(
+            s is not None and s.spike for s in sightings) else "")
+        if verdict.action == "stop":
+            raise AnomalyError(
+                f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) after {self.record.rollbacks} "
+                f"rollback(s), anomaly.max_rollbacks={self.cfg.max_rollbacks}: training stopped, every snapshot is "
+                "intact; look at the anomaly log (elastictrain snapshots show), then raise anomaly.max_rollbacks, "
+                "set anomaly.policy=skip, or fix the data or the learning rate"
+            )
+        return verdict
+
+    def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int) -> None:
+        """After the restore: what this rollback learned, in the log, and the replay to watch."""
+        self.pending, self._skipped_now, self._replayed_samples = None, None, None
+        self._index = 0
+        entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
+                 "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step}
+        if verdict.action == "data":
+            self.replaying, self.replay_origin = None, None
+            if samples is not None:
+                self.record.skipped_samples.update(samples)
+                entry["samples"] = list(samples)
+            else:
+                self.record.skipped_steps.add(verdict.step)
+            self.record.add(**entry)
+            if self.ctx.is_main:
+                log.warning("anomaly at step %d recurred on replay (%s %s%s): it is the data; %s skipped from now on "
+                            "at every world size; rolled back to step %d (rollback %d of %d)", verdict.step,
+                            verdict.kind, _number(verdict.value), self._where(verdict),
+                            f"its {len(samples)} samples ({_shown(samples)}) are" if samples is not None
+                            else "the step's update is", restored_step, self.record.rollbacks, self.cfg.max_rollbacks)
+        else:
+            self.replaying, self.replay_origin = verdict.step, verdict
+            self.record.add(**entry)
+            if self.ctx.is_main:
+                log.warning("anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
+                            verdict.step, verdict.kind, _number(verdict.value), self._where(verdict), restored_step,
+                            self.record.rollbacks, self.cfg.max_rollbacks)
+        self._emit(entry)
+
+    @property
+    def replayed_samples(self) -> list[int] | None:
+        return self._replayed_samples
+
+    def wants_samples(self, step: int) -> bool:
+        return self._skipped_now is not None or self.replaying == step
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _hosts(self, ranks: Iterable[int]) -> list[str]:
+        hosts = getattr(self, "_hosts_by_rank", None) or []
+        return [hosts[r] for r in ranks if r < len(hosts) and hosts[r] is not None]
+
+    def _where(self, verdict: Verdict) -> str:
+        world = self.ctx.world_size if self.ctx is not None else 1
+        if world == 1:
+            return ""
+        if len(verdict.ranks) == world:
+            if verdict.origin and len(verdict.origin) < world:
+                return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
+                        f"{_ranks(verdict.origin, self._hosts(verdict.origin))}")
+            return " on every rank (after the gradient all-reduce its origin cannot be told)"
+        return f" on rank(s) {_ranks(verdict.ranks, self._hosts(verdict.ranks))} only"
+
+    def _emit(self, entry: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.anomaly(dict(entry))
+
+
+def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
+    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), as a Python float."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm(grads, 2.0))
+
+
+def _what(kind: str, value: float, spike: bool, cfg: AnomalyConfig) -> str:
+    return f"{kind} {_number(value)}" + (f" (over {cfg.spike_factor:g} x its running mean)" if spike else "")
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}" if math.isfinite(value) else str(value)
+
+
+def _ranks(ranks: Iterable[int], hosts: list[str]) -> str:
+    ranks = list(ranks)
+    names = ", ".join(str(r) for r in ranks)
+    unique = sorted(set(hosts))
+    return f"{names} (host {', '.join(unique)})" if unique else names
+
+
+def _shown(samples: list[int]) -> str:
+    shown = ", ".join(str(i) for i in samples[:SHOWN_SAMPLES])
+    return f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
+
+
+__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "grad_norm", "judge", "asdict"]
