@@ -30,10 +30,11 @@ Every rollback counts against ``anomaly.max_rollbacks``; past it the run stops w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -58,6 +59,7 @@ class Sighting:
     kind: str  # "gradient norm" or "loss"
     host: str
     spike: bool = False  # a finite value over anomaly.spike_factor times its running mean
+    own_loss: bool = False  # this rank's own loss was non-finite at that step: a NaN started here
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def judge(sightings: list[Sighting | None], replaying: int | None, rollbacks: in
     ranks = tuple(rank for rank, _ in at_step)
     gradient = [s for _, s in at_step if s.kind == "gradient norm"]
     first = (gradient or [s for _, s in at_step])[0]
-    origin = tuple(rank for rank, s in at_step if s.kind == "loss")
+    origin = tuple(rank for rank, s in at_step if s.own_loss)
     if rollbacks >= budget:
         action = "stop"
     elif replaying == step:
@@ -189,8 +191,9 @@ class Anomalies:
             return True
         if self.cfg.policy == "skip":
             self._skip(step, norm, spike)
-        elif self.pending is None:
-            self.pending = Sighting(step, norm, "gradient norm", self.host, spike)
+        elif self.pending is None or (self.pending.step == step and self.pending.kind == "loss"):
+            own_loss = self.pending is not None  # the loss was logged first (StepRunner)
+            self.pending = Sighting(step, norm, "gradient norm", self.host, spike, own_loss)
         return False
 
     def loss(self, value: Any, step: int) -> None:
@@ -200,8 +203,10 @@ class Anomalies:
         number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if math.isfinite(number):
             return
-        if self.pending is None or self.pending.step > step:
-            self.pending = Sighting(step, number, "loss", self.host)
+        if self.pending is None:
+            self.pending = Sighting(step, number, "loss", self.host, own_loss=True)
+        elif self.pending.step == step:
+            self.pending = dataclasses.replace(self.pending, own_loss=True)
 
     def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
         """``session.step()`` of ``step``, before the data position moves on: the step's samples where wanted."""
@@ -216,11 +221,7 @@ class Anomalies:
 
     def _skip(self, step: int, norm: float, spike: bool) -> None:
         if self._skipped_now is None:  # the first check of the step that failed names it
-            self._skipped_now = {"step": step, "value": norm, "kind": "gradient norm", "spike": spike,
-                                 "decision": "skip", "ranks": "every rank" if self._agreed() else "this rank"}
-
-    def _agreed(self) -> bool:
-        return True  # a gradient norm is computed from the all-reduced gradients: the same on every rank
+            self._skipped_now = {"step": step, "value": norm, "kind": "gradient norm", "spike": spike, "decision": "skip"}
 
     def _say_skip(self, entry: dict[str, Any]) -> None:
         if self.ctx is not None and self.ctx.is_main:
@@ -275,24 +276,27 @@ class Anomalies:
             )
         return verdict
 
-    def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int) -> None:
-        """After the restore: what this rollback learned, in the log, and the replay to watch."""
+    def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
+        """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
+        replayed step's global samples (a data verdict); ``rank_batch``: each rank's share of a micro-batch."""
         self.pending, self._skipped_now, self._replayed_samples = None, None, None
         self._index = 0
         entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
-                 "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step}
+                 "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step,
+                 "origin": list(verdict.origin)}
         if verdict.action == "data":
             self.replaying, self.replay_origin = None, None
             if samples is not None:
+                samples = of_ranks(samples, verdict.origin, self.ctx.world_size, rank_batch)
                 self.record.skipped_samples.update(samples)
                 entry["samples"] = list(samples)
             else:
                 self.record.skipped_steps.add(verdict.step)
             self.record.add(**entry)
             if self.ctx.is_main:
-                log.warning("anomaly at step %d recurred on replay (%s %s%s): it is the data; %s skipped from now on "
+                log.warning("anomaly at step %d recurred on replay (%s %s): it is the data; %s skipped from now on "
                             "at every world size; rolled back to step %d (rollback %d of %d)", verdict.step,
-                            verdict.kind, _number(verdict.value), self._where(verdict),
+                            verdict.kind, _number(verdict.value),
                             f"its {len(samples)} samples ({_shown(samples)}) are" if samples is not None
                             else "the step's update is", restored_step, self.record.rollbacks, self.cfg.max_rollbacks)
         else:
@@ -333,6 +337,14 @@ class Anomalies:
             self.events.anomaly(dict(entry))
 
 
+def of_ranks(samples: list[int], ranks: tuple[int, ...], world_size: int, rank_batch: int) -> list[int]:
+    """The samples of ``ranks`` among a step's global ``samples`` (data.py's layout: each micro-batch is every
+    rank's ``rank_batch`` in rank order); all of them when no rank, or every rank, is named."""
+    if not ranks or len(ranks) >= world_size or rank_batch <= 0:
+        return list(samples)
+    return [index for position, index in enumerate(samples) if (position // rank_batch) % world_size in ranks]
+
+
 def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), as a Python float."""
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -361,4 +373,4 @@ def _shown(samples: list[int]) -> str:
     return f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
 
 
-__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "grad_norm", "judge", "asdict"]
+__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "grad_norm", "judge"]

@@ -38,6 +38,9 @@ COUNTERS = {
     "snapshot_failures": "Snapshots that failed to commit in this attempt.",
     "preemptions": "Preemption signals received by this attempt.",
 }
+# Anomalies (anomalies.py) by decision: skip, rollback (a replay started), data (it recurred: samples skipped),
+# transient (the replay was clean). Rollbacks are rollback + data.
+ANOMALY_DECISIONS = ("skip", "rollback", "data", "transient")
 SNAPSHOT_DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -98,6 +101,7 @@ class PrometheusObserver(Observer):
         # Counters are plain numbers exported by _ScrapeTimeCollector: no `_created` series
         # (an `elastictrain_snapshots_created` gauge would read like a count of snapshots).
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.anomalies = dict.fromkeys(ANOMALY_DECISIONS, 0)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -157,6 +161,9 @@ class PrometheusObserver(Observer):
     def preempt_requested(self, signal_name: str, step: int) -> None:
         self.counts["preemptions"] += 1
 
+    def anomaly(self, entry: dict) -> None:
+        self.anomalies[entry["decision"]] = self.anomalies.get(entry["decision"], 0) + 1
+
     def closed(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -185,6 +192,13 @@ class _ScrapeTimeCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, documentation, labels=names)
             family.add_metric(values, self.observer.counts[name])
             yield family
+        anomalies = CounterMetricFamily(
+            PREFIX + "anomalies", "Non-finite or spiking steps in this attempt, by decision (skip, rollback: a replay "
+            "began, data: it recurred and its samples are skipped, transient: the replay was clean).",
+            labels=[*names, "decision"])
+        for decision, count in self.observer.anomalies.items():
+            anomalies.add_metric([*values, decision], count)
+        yield anomalies
         restarts = CounterMetricFamily(
             PREFIX + "restarts", "Worker-group restarts by the launcher (torchrun/SLURM restart count).", labels=names
         )

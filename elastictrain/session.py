@@ -383,7 +383,8 @@ class Session:
                                "back to yet: training stopped; take snapshots more often (snapshot.local.every_steps), "
                                "or set anomaly.policy=skip")
         self.metrics.discard()
-        self.anomalies.rolled_back(verdict, samples, restored.step)  # the skip list first: the data reopens with it
+        # The skip list first: the data reopens with it.
+        self.anomalies.rolled_back(verdict, samples, restored.step, self.shard.batch_size)
         if self._data is not None:
             self._data.reopen()
         self.events.rolled_back(rolled_from, restored.step, time.monotonic() - started)

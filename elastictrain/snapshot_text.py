@@ -70,9 +70,39 @@ def render_show(document: dict[str, Any]) -> str:
     lines += _render_attempts(document["attempts"], document["restarts"])
     if document["goodput"]:
         lines += _wrap(f"goodput   {_render_goodput(document['goodput'])}", subsequent=" " * 10)
+    lines += _render_anomalies(document.get("anomalies") or {})
     lines += _render_history(history)
     lines += _render_config(document["config"] or {})
     return "\n".join(lines)
+
+
+def _render_anomalies(anomalies: dict[str, Any]) -> list[str]:
+    """One line per anomaly the run met (anomalies.py), and the skip lists."""
+    entries = anomalies.get("entries") or []
+    if not entries and not anomalies.get("skipped_samples") and not anomalies.get("skipped_steps"):
+        return []
+    counts = anomalies.get("counts") or {}
+    lines = [f"anomalies {len(entries)}: " + ", ".join(f"{name} {count}" for name, count in counts.items() if count)]
+    for entry in entries:
+        value = entry.get("value")
+        text = (f"  step {entry.get('step')}: {entry.get('kind')} {_number(value) if value is not None else '-'}, "
+                f"{entry.get('decision')}")
+        if entry.get("ranks"):
+            text += f", rank(s) {', '.join(str(r) for r in entry['ranks'])}"
+            if entry.get("hosts"):
+                text += f" ({', '.join(sorted(set(entry['hosts'])))})"
+        if entry.get("origin") and len(entry["origin"]) < len(entry.get("ranks") or []):
+            text += f", non-finite loss first on rank(s) {', '.join(str(r) for r in entry['origin'])}"
+        if entry.get("rolled_back_to") is not None:
+            text += f", rolled back to step {entry['rolled_back_to']}"
+        if entry.get("samples"):
+            text += f", {len(entry['samples'])} samples"
+        lines += _wrap(text, subsequent=" " * 4)
+    for name, label in (("skipped_samples", "samples"), ("skipped_steps", "steps")):
+        listed = anomalies.get(name) or []
+        if listed:
+            lines += _wrap(f"  skipped {label}: {', '.join(str(i) for i in listed)}", subsequent=" " * 4)
+    return lines
 
 
 def _render_goodput(goodput: dict[str, Any]) -> str:

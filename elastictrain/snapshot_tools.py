@@ -170,6 +170,7 @@ def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
         "attempts": attempts,
         "restarts": sum(len(marker.restart_counts) for marker in attempt_markers(attempts)),
         "goodput": state.get("goodput"),
+        "anomalies": state.get("anomalies"),
         "history": _history_summary(records),
         "model": _model_summary(weights),
         "config": state.get("config"),

@@ -11,7 +11,7 @@ another). ``raise_rank``/``raise_at_step`` make a worker raise (a user bug), onc
 For hung and slow ranks: ``sleep_rank``/``sleep_at_step`` make a worker sleep forever inside its
 loss function (once per job: the ``slept-rank{r}`` marker); ``step_sleep_s`` slows every
 training step on every rank, ``slow_rank``/``slow_step_s`` one rank only. ``extra_metric_rank``
-returns one more metric key (``rank_only``) on that rank only.
+returns one more metric key (``rank_only``) on that rank only. ``poison`` makes one training sample NaN.
 """
 
 from __future__ import annotations
@@ -41,6 +41,20 @@ class IndexedDataset(Dataset):
         return (*self.inner[index], index)
 
 
+class PoisonedDataset(Dataset):
+    """One sample (``index``) has NaN inputs: a bad record in the data, the same at every read."""
+
+    def __init__(self, inner: Dataset, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        points, label, index = self.inner[index]
+        return (torch.full_like(points, float("nan")) if index == self.index else points), label, index
+
+
 class JitteredDataset(Dataset):
     """Random augmentation in ``__getitem__``: each point moved by a fresh ``torch.randn`` draw, index kept."""
 
@@ -58,7 +72,7 @@ class JitteredDataset(Dataset):
 def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_rank: int = -1, raise_at_step: int = -1,
           sleep_rank: int = -1, sleep_at_step: int = -1, step_sleep_s: float = 0.0, slow_rank: int = -1,
           slow_step_s: float = 0.0, pauses: list[list[int]] = (), lr_factory: bool = False, extra_metric_rank: int = -1,
-          thread_sensitive: bool = False, **spiral_args) -> Task:
+          thread_sensitive: bool = False, poison: int = -1, **spiral_args) -> Task:
     spiral_args = {"train_samples": 1536, "val_samples": 512, "hidden": 64, "lr_step": 100, **spiral_args}
     task = spirals.build(**spiral_args)
     rank = os.environ.get("RANK", "0")
@@ -107,6 +121,8 @@ def build(trace_dir: str, pause_rank: int = -1, pause_at_step: int = -1, raise_r
 
         task.lr_scheduler = linear_decay
     task.train_data = IndexedDataset(task.train_data)
+    if poison >= 0:
+        task.train_data = PoisonedDataset(task.train_data, poison)
     task.val_data = IndexedDataset(task.val_data)
     task.loss_fn = traced_loss
     return task

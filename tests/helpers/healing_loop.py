@@ -1,0 +1,68 @@
+"""A custom loop on the Session with its own backward and ``session.gradients_ok()``, for the self-healing tests.
+
+    torchrun --nproc-per-node=2 tests/helpers/healing_loop.py [key=value overrides]
+
+``HEAL_POISON=<index>`` makes that training sample NaN; ``HEAL_FAULT=<step>:<rank>:<dir>`` sets one gradient
+element to inf on that rank after the backward (after DDP's all-reduce) at that step, once per job (a marker
+in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastictrain.session import Session
+
+CONFIG = {
+    "run": {"name": "healing-loop"},
+    "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 4},
+    "snapshot": {"durable": {"every_steps": 5}},
+    "log": {"plots": False},
+}
+
+
+def blobs(samples: int = 512, poison: int = -1) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    centres = 2 * torch.randn(4, 16, generator=generator)
+    labels = torch.randint(0, 4, (samples,), generator=generator)
+    inputs = centres[labels] + torch.randn(samples, 16, generator=generator)
+    if poison >= 0:
+        inputs[poison] = float("nan")
+    return TensorDataset(inputs, labels)
+
+
+def main(overrides: list[str]) -> None:
+    fault = os.environ.get("HEAL_FAULT")
+    fault_step, fault_rank, marker = (int(fault.split(":")[0]), fault.split(":")[1],
+                                      Path(fault.split(":")[2]) / "fault.done") if fault else (-1, "", None)
+    with Session(CONFIG, overrides) as session:
+        torch.manual_seed(session.cfg.run.seed)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ddp = session.wrap(model)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(blobs(poison=int(os.environ.get("HEAL_POISON", "-1"))))
+        session.restore()
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(ddp(inputs), labels)
+                loss.backward()
+                step = session.global_step + 1
+                if step == fault_step and str(session.rank) == fault_rank and not marker.exists():
+                    marker.write_text(str(step))
+                    next(model.parameters()).grad.view(-1)[0] = float("inf")
+                if session.gradients_ok():
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                session.step(loss=loss.detach())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
