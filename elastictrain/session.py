@@ -379,7 +379,7 @@ class Session:
         samples = self.anomalies.replayed_samples if verdict.action == "data" else None
         restored = self.tiers.roll_back(ROLLBACK_KEEPS)
         if restored is None:
-            raise AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {verdict.value}) and no snapshot to roll "
+            raise AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {verdict.value:.6g}) and no snapshot to roll "
                                "back to yet: training stopped; take snapshots more often (snapshot.local.every_steps), "
                                "or set anomaly.policy=skip")
         self.metrics.discard()

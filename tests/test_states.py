@@ -50,6 +50,7 @@ def test_illegal_transition_raises_naming_both_states(path, bad):
 
 NONE, TIMER, PREEMPT = Requests(), Requests(snapshot=True), Requests(preempt=True)
 FAST_TIMER = Requests(local_snapshot=True)  # rank 0's fast-tier timer (snapshot.local.every_s)
+ANOMALY = Requests(anomaly=True)
 PLAN = Plan(max_epochs=2, max_steps=None, eval_every_epochs=1, has_val_data=True, snapshot_every_steps=10, snapshot_on_done=True)
 FAST = Plan(2, None, 1, True, 10, True, local_every_steps=4)  # the fast tier every 4 steps too
 
@@ -106,6 +107,12 @@ def progress(**counters) -> Progress:
          State.DONE),
         ({"global_step": 24, "epoch": 2, "last_evaluated_step": 24}, Plan(2, None, 1, True, 0, False), FAST_TIMER,
          State.DONE),
+        # an anomaly some rank saw: ROLLBACK before anything that would start from that step
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, ANOMALY, State.ROLLBACK),
+        ({"global_step": 10, "epoch_offset": 10}, PLAN, ANOMALY, State.ROLLBACK),  # not the snapshot of a bad step
+        ({"global_step": 12, "epoch": 1}, PLAN, ANOMALY | FAST_TIMER, State.ROLLBACK),  # nor its evaluation
+        ({"global_step": 7, "epoch_offset": 7}, PLAN, ANOMALY | PREEMPT, State.ROLLBACK),  # the preemption waits
+        ({"global_step": 24, "epoch": 2}, PLAN, ANOMALY, State.ROLLBACK),  # nor its end
     ],
 )
 def test_decide(counters, plan, requested, expected):

@@ -1,0 +1,198 @@
+"""Self-healing in one process: what a rollback decides (``judge``, table-tested), spikes, the skip list, and
+a custom loop healed in-process, bitwise, with no launcher (memory:// snapshots, tiny data)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import uuid
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastictrain.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks
+from elastictrain.data import Shard, ShardedBatchSampler, epoch_order
+from elastictrain.errors import AnomalyError
+from elastictrain.session import Session
+
+NAN, INF = float("nan"), float("inf")
+
+
+def seen(step, value=NAN, kind="gradient norm", own_loss=False):
+    return Sighting(step, value, kind, "host", own_loss=own_loss)
+
+
+@pytest.mark.parametrize(
+    "sightings, replaying, rollbacks, expected",
+    [
+        # every rank saw the all-reduced NaN: replay it
+        ([seen(9), seen(9)], None, 0, ("rollback", 9, (0, 1), ())),
+        # rank 1's own loss was non-finite first: the origin
+        ([seen(9), seen(9, own_loss=True)], None, 0, ("rollback", 9, (0, 1), (1,))),
+        # a fault on rank 1 only (after the all-reduce): the others saw nothing
+        ([None, seen(9, INF)], None, 0, ("rollback", 9, (1,), ())),
+        # the earliest step is the anomaly; a later one on another rank follows from it
+        ([seen(11), seen(9, INF)], None, 0, ("rollback", 9, (1,), ())),
+        # the replay met it again at the same step: the data
+        ([seen(9), seen(9)], 9, 1, ("data", 9, (0, 1), ())),
+        # ... at another step: a new anomaly, replayed in turn
+        ([seen(7), None], 9, 1, ("rollback", 7, (0,), ())),
+        # only a loss was seen (a custom loop without gradients_ok): still a rollback
+        ([seen(9, NAN, "loss", True), None], None, 0, ("rollback", 9, (0,), (0,))),
+        # the budget is spent: stop, whatever it was
+        ([seen(9), seen(9)], 9, 4, ("stop", 9, (0, 1), ())),
+        ([seen(9), seen(9)], None, 4, ("stop", 9, (0, 1), ())),
+    ],
+)
+def test_judge(sightings, replaying, rollbacks, expected):
+    verdict = judge(sightings, replaying, rollbacks, budget=4)
+    assert (verdict.action, verdict.step, verdict.ranks, verdict.origin) == expected
+
+
+def test_judge_prefers_the_agreed_gradient_norm_to_a_ranks_own_loss():
+    verdict = judge([seen(5, 3.0, "loss", True), seen(5, 123.0)], None, 0, 4)
+    assert (verdict.kind, verdict.value) == ("gradient norm", 123.0)
+
+
+def test_a_spike_is_judged_against_the_running_mean_after_warm_up_only():
+    stats = GradNormStatistic()
+    for _ in range(3):
+        assert not stats.is_spike(0, 100.0, factor=5.0, warmup_steps=3)  # warming up: nothing is a spike
+        stats.update(0, 1.0, window=10)
+    assert stats.means == [1.0] and stats.counts == [3]
+    assert not stats.is_spike(0, 4.9, factor=5.0, warmup_steps=3)
+    assert stats.is_spike(0, 5.1, factor=5.0, warmup_steps=3)
+    assert not stats.is_spike(0, 5.1, factor=0.0, warmup_steps=3)  # spike_factor 0: off
+    assert not stats.is_spike(1, 5.1, factor=5.0, warmup_steps=3)  # a second check of the step has its own mean
+    again = GradNormStatistic()
+    again.load_state_dict(stats.state_dict())
+    assert again.is_spike(0, 5.1, factor=5.0, warmup_steps=3), "restored with the snapshot: judged the same"
+
+
+def test_a_steps_samples_of_some_ranks_follow_the_samplers_layout():
+    # 2 micro-batches x 2 ranks x 3 samples: rank 0 takes positions 0-2 and 6-8, rank 1 3-5 and 9-11.
+    samples = list(range(100, 112))
+    assert of_ranks(samples, (1,), world_size=2, rank_batch=3) == [103, 104, 105, 109, 110, 111]
+    assert of_ranks(samples, (), world_size=2, rank_batch=3) == samples  # no origin: the whole step
+    assert of_ranks(samples, (0, 1), world_size=2, rank_batch=3) == samples
+    shard = Shard(rank=1, world_size=2, batch_size=3, grad_accum_steps=2)
+    sampler = ShardedBatchSampler(12, shard, seed=0, epoch=0, offset=0, shuffle=False)
+    assert [i for batch in sampler for i in batch] == [3, 4, 5, 9, 10, 11], "the layout of_ranks reads"
+
+
+def test_skipped_samples_leave_the_order_and_the_rest_keeps_its_positions():
+    order = epoch_order(64, seed=0, epoch=0, shuffle=True)
+    skip = set(order[16:24])
+    sampler = ShardedBatchSampler(64, Shard(0, 1, 8), seed=0, epoch=0, offset=0, shuffle=True, skip=skip)
+    assert sampler.order == order[:16] + order[24:] and sampler.steps == 7
+    resumed = ShardedBatchSampler(64, Shard(0, 1, 8), seed=0, epoch=0, offset=16, shuffle=True, skip=skip)
+    assert list(resumed)[0] == order[24:32], "a position past the skipped ones continues after them"
+
+
+def test_the_anomaly_log_keeps_what_it_learned_and_the_preset_list_apart():
+    record = AnomalyLog(skip_samples=[3])
+    record.skipped_samples.update({7, 8})
+    record.add(step=5, decision="data", samples=[7, 8])
+    again = AnomalyLog(skip_samples=[3])
+    held = again.skipped_samples
+    again.load_state_dict(record.state_dict())
+    assert record.state_dict()["skipped_samples"] == [7, 8], "the preset list is config, not learned state"
+    assert again.skipped_samples is held and held == {3, 7, 8}, "loaded in place: the sampler holds this set"
+    assert again.counts["data"] == 1 and again.rollbacks == 1
+
+
+# -- in one process -------------------------------------------------------------------------------
+
+
+def config(tmp_path, **anomaly) -> dict:
+    return {
+        "run": {"dir": str(tmp_path / "run")},
+        "snapshot": {"durable": {"url": f"memory://anomaly-tests/{uuid.uuid4().hex}", "every_steps": 4}},
+        "train": {"max_epochs": 2, "batch_size": 8, "log_every_steps": 4},
+        "anomaly": anomaly,
+        "log": {"progress_bar": False, "plots": False},
+    }
+
+
+def points(poison: int | None = None) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(64, 4, generator=generator), torch.randint(0, 2, (64,), generator=generator)
+    if poison is not None:
+        inputs[poison] = NAN
+    return TensorDataset(inputs, labels)
+
+
+def custom_loop(cfg: dict, data: TensorDataset, lr: float = 0.01) -> tuple[str, Session]:
+    with Session(cfg) as session:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.Linear(16, 2))  # dropout: the RNG replays too
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(data)
+        session.restore()
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(model(inputs), labels)
+                loss.backward()
+                if session.gradients_ok():
+                    optimizer.step()
+                optimizer.zero_grad()
+                session.step(loss=loss.detach())
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return digest, session
+
+
+ORDER = epoch_order(64, seed=0, epoch=0, shuffle=True)
+POISON = ORDER[43]  # in step 6 (8 samples a step); snapshots every 4 steps
+
+
+def test_a_rollback_in_process_skips_the_poisoned_steps_samples_and_ends_as_a_run_given_them(tmp_path, caplog):
+    healed, session = custom_loop(config(tmp_path), points(POISON))
+    record = session.state.anomalies
+    assert sorted(record.skipped_samples) == sorted(ORDER[40:48]) and POISON in record.skipped_samples
+    assert [(e["step"], e["decision"], e["rolled_back_to"]) for e in record.entries] == [(6, "rollback", 4), (6, "data", 5)]
+    assert session.global_step == 14, "one step fewer in epoch 0: 56 samples left, 7 steps"
+    reference, _ = custom_loop(config(tmp_path, skip_samples=sorted(ORDER[40:48])), points(POISON))
+    assert healed == reference
+    unbroken, _ = custom_loop(config(tmp_path), points())
+    assert healed != unbroken
+
+
+def test_skip_drops_the_update_and_records_the_steps_samples(tmp_path):
+    digest, session = custom_loop(config(tmp_path, policy="skip"), points(POISON))
+    entries = session.state.anomalies.entries
+    second = epoch_order(64, seed=0, epoch=1, shuffle=True).index(POISON) // 8  # skip lists nothing: it comes back
+    assert [(e["step"], e["decision"]) for e in entries] == [(6, "skip"), (8 + second + 1, "skip")]
+    assert sorted(entries[0]["samples"]) == sorted(ORDER[40:48]) and all(POISON in e["samples"] for e in entries)
+    assert session.global_step == 16 and math.isfinite(session.summary.train_loss)
+    assert not session.state.anomalies.skipped_samples, "skip trains on: it lists, it does not leave samples out"
+
+
+def test_with_anomalies_off_a_nan_trains_on_into_the_weights(tmp_path):
+    _, session = custom_loop(config(tmp_path, policy="off"), points(POISON))
+    assert not session.state.anomalies.entries
+    assert any(not torch.isfinite(p).all() for p in session.model.parameters())
+
+
+def test_a_spike_over_the_running_mean_is_rolled_back_and_found_to_be_data(tmp_path):
+    inputs, labels = (t.clone() for t in points().tensors)
+    inputs[POISON] *= 1e4  # finite, labelled against what the model says: its gradient is thousands of times the others'
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.Linear(16, 2)).eval()  # custom_loop's model
+    labels[POISON] = initial(inputs[POISON]).argmin()
+    _, session = custom_loop(config(tmp_path, spike_factor=5.0, warmup_steps=3), TensorDataset(inputs, labels))
+    assert [(e["step"], e["decision"]) for e in session.state.anomalies.entries] == [(6, "rollback"), (6, "data")]
+    assert all(math.isfinite(e["value"]) and e["value"] > 5 for e in session.state.anomalies.entries)
+    assert POISON in session.state.anomalies.skipped_samples
+
+
+def test_an_anomaly_before_the_first_snapshot_stops_with_one_line(tmp_path, capsys):
+    with pytest.raises(AnomalyError) as raised:
+        custom_loop(config(tmp_path), points(ORDER[3]))  # step 1; the first snapshot is step 4's
+    message = str(raised.value)
+    assert message == ("anomaly at step 1 (gradient norm nan) and no snapshot to roll back to yet: training stopped; "
+                       "take snapshots more often (snapshot.local.every_steps), or set anomaly.policy=skip")
+    assert "Traceback" not in capsys.readouterr().err

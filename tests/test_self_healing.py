@@ -1,0 +1,179 @@
+"""Self-healing under real torchrun (anomalies.py): a poisoned sample, a transient fault, a persistent one.
+
+The traced test job (tests/helpers/jobs.py) for two epochs (96 steps), durable snapshots every 10
+steps. Equal references, precisely:
+
+- a transient fault (one gradient element set to inf on rank 1 after the all-reduce, once) heals
+  into the unbroken run's very bits;
+- a poisoned sample (NaN inputs) is found to be the data by its replay; its rank's share of that
+  step (16 samples) is skipped from then on, and the run ends with the bits of an unbroken run given
+  that same skip list up front (``anomaly.skip_samples``) — the list the test works out from the
+  sampler's order, not the one the run reports;
+- both with the custom-loop API (its own backward and ``session.gradients_ok()``), and with
+  ``train.virtual_shards``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elastictrain.data import epoch_order
+from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
+from tests.helpers import procs
+from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
+
+pytestmark = pytest.mark.torchrun
+
+HEAL = ["train.max_epochs=2", "snapshot.durable.every_steps=10", "log.plots=false"]
+SAMPLES, PER_RANK, WORLD = 1536, 16, 2  # the traced job: 32 samples a step
+POISON_STEP = 21
+ORDER = epoch_order(SAMPLES, 0, 0, True)  # epoch 0's global order (run.seed 0)
+# The poisoned sample: rank 0's 6th of step 21. Its rank's share of that step is what the replay skips.
+POISON = ORDER[(POISON_STEP - 1) * PER_RANK * WORLD + 5]
+POISON_SKIPPED = sorted(ORDER[(POISON_STEP - 1) * PER_RANK * WORLD:(POISON_STEP - 1) * PER_RANK * WORLD + PER_RANK])
+FAULT_STEP = 33
+
+
+def run(workdir, name, extra=(), env=None, max_restarts=0):
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = launch_job(workdir, name, [*HEAL, *extra], env=env, max_restarts=max_restarts)
+    return job
+
+
+def finished(job):
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-5000:]
+    return parse_job(job.output())
+
+
+def warnings(output: str) -> list[str]:
+    return [line.split(" WARNING ", 1)[1] for line in output.splitlines() if " WARNING " in line and "straggler" not in line]
+
+
+def shown(run_dir) -> dict:
+    """``elastictrain snapshots show --json`` of the newest snapshot: what an operator reads."""
+    out = subprocess.run([sys.executable, "-m", "elastictrain", "snapshots", "show", str(run_dir / "snapshots"), "--json"],
+                         capture_output=True, text=True, env={**os.environ, **job_env()}, timeout=120, check=True).stdout
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """One unbroken run per gradient sync (DDP, virtual shards): what a healed transient fault must equal."""
+    results = {}
+
+    def get(sync: str):
+        if sync not in results:
+            extra = ["train.virtual_shards=2"] if sync == "virtual_shards" else []
+            results[sync] = finished(run(tmp_path_factory.mktemp(f"unbroken-{sync}"), "job", extra))
+        return results[sync]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def skip_reference(tmp_path_factory):
+    """The unbroken run given the poisoned sample's share of its step as a skip list from the start."""
+    listed = f"anomaly.skip_samples=[{','.join(map(str, POISON_SKIPPED))}]"
+    return finished(run(tmp_path_factory.mktemp("skip-reference"), "job", [listed]))
+
+
+def test_a_poisoned_sample_is_rolled_back_replayed_found_to_be_data_and_skipped(tmp_path, skip_reference):
+    result = finished(run(tmp_path, "job", [f"task.args.poison={POISON}"]))
+    said = warnings(result.output)
+    assert said[0].startswith(f"anomaly at step {POISON_STEP}: gradient norm nan on every rank after the gradient "
+                              "all-reduce; the loss was non-finite first on rank(s) 0 (host "), said
+    assert said[0].endswith(f"; rolled back to step {POISON_STEP - 1} to replay it (rollback 1 of 4)"), said
+    assert said[1].startswith(f"anomaly at step {POISON_STEP} recurred on replay (gradient norm nan): it is the data; "
+                              f"its {PER_RANK} samples (global indices "), said
+    assert said[1].endswith(f"rolled back to step {POISON_STEP - 1} (rollback 2 of 4)"), said
+    assert len(said) == 2, said
+    assert result.summary["params_sha256"] == skip_reference.summary["params_sha256"]
+    assert result.summary["attempts"] == "1", "healed in the running processes, no restart"
+    document = shown(tmp_path / "run")
+    assert document["anomalies"]["skipped_samples"] == POISON_SKIPPED and POISON in POISON_SKIPPED
+    assert [(e["step"], e["decision"], e["origin"]) for e in document["anomalies"]["entries"]] == [
+        (POISON_STEP, "rollback", [0]), (POISON_STEP, "data", [0])]
+    assert document["goodput"]["seconds_by_cause"]["rollback"] > 0
+
+
+def test_a_sigkill_in_the_middle_of_a_rollback_restarts_and_heals_the_same_way(tmp_path, skip_reference):
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir(parents=True)
+    job = run(tmp_path, "job", [f"task.args.poison={POISON}"], max_restarts=1,
+              env={"ELASTICTRAIN_FAILPOINT": f"rollback:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
+    os.kill(int(procs.wait_for_file(failpoints / "failpoint-rollback.pid", TIMEOUT_S, job)), signal.SIGKILL)
+    result = finished(job)
+    assert start_steps(result.output) == [0, POISON_STEP - 1], "torchrun's restart resumes from the newest snapshot"
+    assert result.summary["params_sha256"] == skip_reference.summary["params_sha256"]
+    assert shown(tmp_path / "run")["anomalies"]["skipped_samples"] == POISON_SKIPPED
+
+
+@pytest.mark.parametrize("sync", ["ddp", "virtual_shards"])
+def test_a_transient_fault_on_one_rank_is_replayed_clean_and_the_run_ends_bitwise(tmp_path, unbroken, sync):
+    extra = ["train.virtual_shards=2"] if sync == "virtual_shards" else []
+    job = run(tmp_path, "job", extra, env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}:{tmp_path}",
+                                           "ELASTICTRAIN_FAULT_RANK": "1"})
+    result = finished(job)
+    said = warnings(result.output)
+    assert said[0].startswith(f"anomaly at step {FAULT_STEP}: gradient norm inf on rank(s) 1 (host "), said
+    assert " only; rolled back to step 30 to replay it (rollback 1 of 4)" in said[0], said
+    assert said[1].startswith(f"step {FAULT_STEP} replayed clean: the anomaly (gradient norm inf) was a transient fault "
+                              "on rank(s) 1 (host "), said
+    assert len(said) == 2, said
+    assert result.summary["params_sha256"] == unbroken(sync).summary["params_sha256"]
+
+
+def test_a_persistent_anomaly_stops_the_run_past_its_budget_with_one_line_and_the_snapshots_intact(tmp_path):
+    job = run(tmp_path, "job", [], max_restarts=2,
+              env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}+:{tmp_path}", "ELASTICTRAIN_FAULT_RANK": "1"})
+    assert job.wait(TIMEOUT_S) != 0
+    output = job.output()
+    assert "Traceback" not in output, output[-5000:]
+    stops = [line for line in output.splitlines() if "anomaly.max_rollbacks=4: training stopped" in line]
+    assert stops and all(f"anomaly at step {FAULT_STEP} (" in line for line in stops), output[-5000:]
+    assert "after 4 rollback(s)" in stops[0]
+    assert start_steps(output) == [0], "the error is recorded for the restarts, which stop before restoring"
+    verified = subprocess.run([sys.executable, "-m", "elastictrain", "snapshots", "verify", str(tmp_path / "run" / "snapshots")],
+                              capture_output=True, text=True, env={**os.environ, **job_env()}, timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert shown(tmp_path / "run")["step"] < FAULT_STEP
+
+
+# -- the custom-loop API -------------------------------------------------------------------------
+
+LOOP_ORDER = epoch_order(512, 0, 0, True)
+LOOP_POISON = LOOP_ORDER[7 * 32 + 16 + 3]  # rank 1's 4th sample of step 8
+LOOP_SKIPPED = sorted(LOOP_ORDER[7 * 32 + 16:8 * 32])
+
+
+def loop_job(workdir, extra=(), env=None):
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [*torchrun_launcher(max_restarts=0), str(REPO_ROOT / "tests" / "helpers" / "healing_loop.py"),
+               f"run.dir={workdir / 'run'}", *extra]
+    return procs.launch(command, log_path=workdir / "job.log", env={**job_env(), **(env or {})}, cwd=workdir)
+
+
+def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
+    listed = f"anomaly.skip_samples=[{','.join(map(str, LOOP_SKIPPED))}]"
+    jobs = {
+        "reference": loop_job(tmp_path / "reference"),
+        "skip-reference": loop_job(tmp_path / "skip-reference", [listed]),
+    }
+    results = {name: finished(job) for name, job in jobs.items()}
+    poisoned = finished(loop_job(tmp_path / "poisoned", env={"HEAL_POISON": str(LOOP_POISON)}))
+    said = warnings(poisoned.output)
+    assert "the loss was non-finite first on rank(s) 1 (host " in said[0] and "recurred on replay" in said[1], said
+    assert poisoned.summary["params_sha256"] == results["skip-reference"].summary["params_sha256"]
+    assert shown(tmp_path / "poisoned" / "run")["anomalies"]["skipped_samples"] == LOOP_SKIPPED
+
+    faulted = finished(loop_job(tmp_path / "faulted", env={"HEAL_FAULT": f"7:1:{tmp_path}"}))
+    said = warnings(faulted.output)
+    assert said[0].startswith("anomaly at step 7: gradient norm inf on rank(s) 1 (host ") and "replayed clean" in said[1], said
+    assert faulted.summary["params_sha256"] == results["reference"].summary["params_sha256"]
+    assert results["reference"].summary["params_sha256"] != results["skip-reference"].summary["params_sha256"]
