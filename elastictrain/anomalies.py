@@ -65,7 +65,8 @@ class Sighting:
 @dataclass(frozen=True)
 class Verdict:
     """What a ROLLBACK does: ``rollback`` (replay to tell data from fault), ``data`` (it recurred: skip the
-    step's samples) or ``stop`` (over the budget)."""
+    step's samples), ``fault`` (it recurred in some ranks' gradients only: their hardware) or ``stop`` (over
+    the budget)."""
 
     action: str
     step: int
@@ -89,6 +90,10 @@ def judge(sightings: list[Sighting | None], replaying: int | None, rollbacks: in
     origin = tuple(rank for rank, s in at_step if s.own_loss)
     if rollbacks >= budget:
         action = "stop"
+    elif replaying == step and len(ranks) < len(sightings) and not origin:
+        # Data reaches every rank through the all-reduce, or starts as a rank's non-finite loss: an anomaly
+        # in some ranks' gradients only, again on replay, is that hardware's (a rank's memory or device).
+        action = "fault"
     elif replaying == step:
         action = "data"
     else:
@@ -267,6 +272,13 @@ class Anomalies:
         verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
         what = f"{verdict.kind} {_number(verdict.value)}" + (" (a spike)" if any(
             s is not None and s.spike for s in sightings) else "")
+        if verdict.action == "fault":
+            raise AnomalyError(
+                f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) recurred on replay in those ranks' "
+                "gradients only, which the all-reduce makes equal on every rank: a persistent hardware fault there, "
+                "not the data; training stopped, every snapshot is intact; replace that node (or exclude it) and "
+                "launch again"
+            )
         if verdict.action == "stop":
             raise AnomalyError(
                 f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) after {self.record.rollbacks} "

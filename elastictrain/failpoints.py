@@ -47,7 +47,7 @@ FAULT_RANK_ENV = "ELASTICTRAIN_FAULT_RANK"
 
 def corrupt_gradients(params: list, step: int) -> None:
     """Tests of self-healing: ``ELASTICTRAIN_FAULT=grad-inf@<step>:<dir>`` sets one gradient element to inf on
-    rank ``ELASTICTRAIN_FAULT_RANK`` (default 0) after the all-reduce at that step, once per job (the marker
+    rank ``ELASTICTRAIN_FAULT_RANK`` (default 0; ``all``: every rank) after the all-reduce at that step, once per job (the marker
     ``<dir>/fault-grad-inf.done``): a transient fault. ``grad-inf@<step>+`` does it at every step from there
     on, every attempt: a persistent one."""
     spec = os.environ.get(FAULT_ENV)
@@ -57,7 +57,7 @@ def corrupt_gradients(params: list, step: int) -> None:
     name, _, at = target.partition("@")
     persistent = at.endswith("+")
     first = int(at.rstrip("+"))
-    if name != "grad-inf" or os.environ.get(FAULT_RANK_ENV, "0") != os.environ.get("RANK", "0"):
+    if name != "grad-inf" or os.environ.get(FAULT_RANK_ENV, "0") not in ("all", os.environ.get("RANK", "0")):
         return
     if step < first or (not persistent and step != first):
         return

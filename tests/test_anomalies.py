@@ -38,6 +38,10 @@ def seen(step, value=NAN, kind="gradient norm", own_loss=False):
         ([seen(11), seen(9, INF)], None, 0, ("rollback", 9, (1,), ())),
         # the replay met it again at the same step: the data
         ([seen(9), seen(9)], 9, 1, ("data", 9, (0, 1), ())),
+        # ... in one rank's gradients only, which the all-reduce makes equal: that rank's hardware
+        ([None, seen(9, INF)], 9, 1, ("fault", 9, (1,), ())),
+        # ... on one rank, whose own loss was non-finite: the data (that rank's samples)
+        ([None, seen(9, NAN, "loss", True)], 9, 1, ("data", 9, (1,), (1,))),
         # ... at another step: a new anomaly, replayed in turn
         ([seen(7), None], 9, 1, ("rollback", 7, (0,), ())),
         # only a loss was seen (a custom loop without gradients_ok): still a rollback

@@ -130,11 +130,13 @@ def test_a_transient_fault_on_one_rank_is_replayed_clean_and_the_run_ends_bitwis
 
 
 def test_a_persistent_anomaly_stops_the_run_past_its_budget_with_one_line_and_the_snapshots_intact(tmp_path):
+    # Every rank's gradients at every step from FAULT_STEP on: it recurs on every replay, like data, until the budget.
     job = run(tmp_path, "job", [], max_restarts=2,
-              env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}+:{tmp_path}", "ELASTICTRAIN_FAULT_RANK": "1"})
+              env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}+:{tmp_path}", "ELASTICTRAIN_FAULT_RANK": "all"})
     assert job.wait(TIMEOUT_S) != 0
     output = job.output()
-    assert "Traceback" not in output, output[-5000:]
+    # torchrun's agent prints its own ChildFailedError traceback; no worker prints one (no elastictrain frame).
+    assert not [line for line in output.splitlines() if 'File "' in line and "/elastictrain/" in line], output[-5000:]
     stops = [line for line in output.splitlines() if "anomaly.max_rollbacks=4: training stopped" in line]
     assert stops and all(f"anomaly at step {FAULT_STEP} (" in line for line in stops), output[-5000:]
     assert "after 4 rollback(s)" in stops[0]
