@@ -60,11 +60,11 @@ FRESH_RUN = [
     ("restart_count", "restored_from_snapshot", "expected"),
     [
         # First attempt, nothing restored: start-up is nobody's fault, restart = 0.
-        (0, False, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 0.0, "recompute": 0.0}),
+        (0, False, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 0.0, "recompute": 0.0, "rollback": 0.0}),
         # torchrun restarted us: process start (7 s ago at the first transition) to the first transition.
-        (1, False, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 7.0, "recompute": 0.0}),
+        (1, False, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 7.0, "recompute": 0.0, "rollback": 0.0}),
         # A relaunched job (restart count 0) that restored a snapshot also paid for its restart.
-        (0, True, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 7.0, "recompute": 0.0}),
+        (0, True, {"productive": 4.5, "snapshot": 0.5, "restore": 0.5, "evaluate": 1.0, "restart": 7.0, "recompute": 0.0, "rollback": 0.0}),
     ],
 )
 def test_seconds_by_cause_for_a_scripted_attempt(restart_count, restored_from_snapshot, expected):
@@ -75,6 +75,25 @@ def test_seconds_by_cause_for_a_scripted_attempt(restart_count, restored_from_sn
     play(goodput, clock, script)
     assert goodput.seconds_by_cause() == pytest.approx(expected)
     assert goodput.goodput_ratio() == pytest.approx(4.5 / sum(expected.values()))
+
+
+def test_a_rollback_counts_its_state_as_rollback_and_the_steps_it_replays_as_recompute():
+    clock = FakeClock()
+    goodput = Goodput(clock=clock, process_age_s=lambda: 0.0)
+    goodput.started(run_info())
+    play(goodput, clock, [
+        (0.0, "transition", S.SETUP, S.RESTORE, 0),
+        (0.5, "restored", 0, 0.5, False),
+        (0.0, "transition", S.RESTORE, S.TRAIN, 0),
+        (4.0, "transition", S.TRAIN, S.ROLLBACK, 40),  # an anomaly: steps 1-40 trained
+        (0.5, "rolled_back", 40, 30, 0.5),
+        (0.0, "transition", S.ROLLBACK, S.TRAIN, 30),
+        (2.0, "trained", interval(50, steps=20)),  # steps 31-50: 31-40 again, then 41-50
+    ])
+    seconds = goodput.seconds_by_cause()
+    assert seconds["rollback"] == pytest.approx(0.5)
+    assert seconds["recompute"] == pytest.approx(1.0)
+    assert seconds["productive"] == pytest.approx(4.0 + 1.0)
 
 
 def test_counters_stay_monotonic_across_a_restart_through_the_snapshot():

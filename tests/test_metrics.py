@@ -126,12 +126,13 @@ CASES = {
 PROCESS_AGE_S = 3.0
 GOODPUT_SECONDS = {
     # RESTORE t2-t4, TRAIN t4-t6 and t8-t10, SNAPSHOT t6-t8, EVALUATE t10-t12.
-    "train-snapshot-evaluate": {"productive": 4, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 2, "restart": 0},
+    "train-snapshot-evaluate": {"productive": 4, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 2, "restart": 0,
+                                "rollback": 0},
     # RESTORE t2-t4, TRAIN t4-t6 and t8-t9 (the trained event closes TRAIN's interval), SNAPSHOT t6-t8.
-    "mid-train": {"productive": 3, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 0, "restart": 0},
+    "mid-train": {"productive": 3, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 0, "restart": 0, "rollback": 0},
     # Restart 2: the process's 3 s; RESTORE t2-t4, TRAIN t4-t6 and t8-t10, SNAPSHOT t6-t8 and t10-t12.
     "per-node, failed snapshot, preempted": {"productive": 4, "snapshot": 4, "restore": 2, "recompute": 0, "evaluate": 0,
-                                             "restart": 3},
+                                             "restart": 3, "rollback": 0},
 }
 
 
