@@ -159,8 +159,10 @@ def test_a_rollback_in_process_skips_the_poisoned_steps_samples_and_ends_as_a_ru
     assert sorted(record.skipped_samples) == sorted(ORDER[40:48]) and POISON in record.skipped_samples
     assert [(e["step"], e["decision"], e["rolled_back_to"]) for e in record.entries] == [(6, "rollback", 4), (6, "data", 5)]
     assert session.global_step == 14, "one step fewer in epoch 0: 56 samples left, 7 steps"
-    reference, _ = custom_loop(config(tmp_path, skip_samples=sorted(ORDER[40:48])), points(POISON))
+    reference, given = custom_loop(config(tmp_path, skip_samples=sorted(ORDER[40:48])), points(POISON))
     assert healed == reference
+    # The running gradient norms are training state too: restored by the rollback, not counted twice.
+    assert session.state.grad_norms.state_dict() == given.state.grad_norms.state_dict()
     unbroken, _ = custom_loop(config(tmp_path), points())
     assert healed != unbroken
 
