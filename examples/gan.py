@@ -64,12 +64,14 @@ def main(overrides: list[str]) -> None:
                 d_loss = bce(D(torch.cat([real, fake])), torch.cat([ones, zeros]))
                 opt_d.zero_grad(set_to_none=True)
                 d_loss.backward()
-                opt_d.step()
+                if session.gradients_ok(D):  # not when D's gradient norm is non-finite (self-healing: anomaly.*)
+                    opt_d.step()
                 # G step: fool D. D's gradients computed on the way are dropped by the next D step's zero_grad.
                 g_loss = bce(D(G(torch.randn(n, NOISE, device=session.device))), ones)
                 opt_g.zero_grad(set_to_none=True)
                 g_loss.backward()
-                opt_g.step()
+                if session.gradients_ok(G):
+                    opt_g.step()
                 session.step(d_loss=d_loss.detach(), g_loss=g_loss.detach())
 
 
