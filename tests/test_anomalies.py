@@ -202,3 +202,53 @@ def test_an_anomaly_before_the_first_snapshot_stops_with_one_line(tmp_path, caps
     assert message == ("anomaly at step 1 (gradient norm nan) and no snapshot to roll back to yet: training stopped; "
                        "take snapshots more often (snapshot.local.every_steps), or set anomaly.policy=skip")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_trainer_with_a_grad_scaler_skips_a_spike_and_its_scaler_goes_on(tmp_path):
+    from elastictrain import Trainer
+
+    inputs, labels = (t.clone() for t in points().tensors)
+    inputs[POISON] *= 1e4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.Linear(16, 2))
+    labels[POISON] = model.eval()(inputs[POISON]).argmin()
+    model.train()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), TensorDataset(inputs, labels),
+                      lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), grad_scaler=scaler,
+                      config=config(tmp_path, policy="skip", spike_factor=5.0, warmup_steps=3))
+    trainer.fit()  # a scaler left unscaled by the skipped step would refuse the next step's unscale_()
+    entries = trainer.session.state.anomalies.entries
+    assert [(e["step"], e["decision"]) for e in entries][:1] == [(6, "skip")]
+    assert trainer.session.global_step == 16
+    assert scaler.get_scale() == 2.0 ** 4, "the skip leaves the scale (and its growth count) alone"
+
+
+def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list(tmp_path):
+    cfg = config(tmp_path)
+    cfg["train"]["max_steps"] = 12
+    with Session(cfg) as session:  # an RL-like loop: each step's inputs come from its step number
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session.register(model=model, optimizer=optimizer)
+        session.restore()
+        updates = []
+        while not session.done:
+            step = session.global_step + 1
+            inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            if step == 6:
+                inputs[0] = NAN
+            loss = model(inputs).pow(2).mean()
+            loss.backward()
+            if session.gradients_ok():
+                optimizer.step()
+                updates.append(step)
+            optimizer.zero_grad()
+            session.step(loss=loss.detach())
+    record = session.state.anomalies
+    assert record.skipped_steps == {6} and not record.skipped_samples
+    assert [(e["step"], e["decision"]) for e in record.entries] == [(6, "rollback"), (6, "data")]
+    last_five = len(updates) - 1 - updates[::-1].index(5)
+    assert updates[last_five:] == [5, 7, 8, 9, 10, 11, 12], "the last replay took every update but step 6's"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
