@@ -54,6 +54,16 @@ TRAIN_SNAPSHOT_EVALUATE = [
     ("evaluated", 50, 1, {"val_loss": 0.8, "val_accuracy": 0.75}),
     ("transition", S.EVALUATE, S.TRAIN, 50),
 ]
+# An anomaly at step 30, rolled back to step 25 and replayed clean (anomalies.py).
+ROLLED_BACK = [
+    *TRAIN_SNAPSHOT_EVALUATE[:5],
+    ("transition", S.TRAIN, S.ROLLBACK, 30),
+    ("anomaly", {"step": 30, "value": float("inf"), "decision": "rollback"}),
+    ("rolled_back", 30, 25, 1.0),
+    ("transition", S.ROLLBACK, S.TRAIN, 25),
+    ("trained", trained(35, 0.8)),
+    ("anomaly", {"step": 30, "value": float("inf"), "decision": "transient"}),
+]
 FAILED_SNAPSHOT_THEN_PREEMPTED = [
     ("started", info(world_size=4, node_rank=1, restart_count=2)),
     ("transition", S.SETUP, S.RESTORE, 0),
@@ -105,6 +115,14 @@ CASES = {
         ("elastictrain_train_metric", {**RUN, "name": "loss"}, 0.7),
         ("elastictrain_state", {**RUN, "state": "train"}, 1),
     ]),
+    "rolled back, replayed clean": (ROLLED_BACK, False, [
+        ("elastictrain_anomalies_total", {**RUN, "decision": "rollback"}, 1),
+        ("elastictrain_anomalies_total", {**RUN, "decision": "transient"}, 1),
+        ("elastictrain_anomalies_total", {**RUN, "decision": "data"}, 0),
+        ("elastictrain_anomalies_total", {**RUN, "decision": "skip"}, 0),
+        ("elastictrain_state", {**RUN, "state": "train"}, 1),
+        ("elastictrain_global_step", RUN, 35),
+    ]),
     "per-node, failed snapshot, preempted": (FAILED_SNAPSHOT_THEN_PREEMPTED, True, [
         ("elastictrain_global_step", NODE1, 55),
         ("elastictrain_world_size", NODE1, 4),
@@ -129,6 +147,9 @@ GOODPUT_SECONDS = {
     "train-snapshot-evaluate": {"productive": 4, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 2, "restart": 0,
                                 "rollback": 0},
     # RESTORE t2-t4, TRAIN t4-t6 and t8-t9 (the trained event closes TRAIN's interval), SNAPSHOT t6-t8.
+    # RESTORE t2-t4, TRAIN t4-t6 (steps 0-30), ROLLBACK t6-t9, TRAIN t9-t10: steps 26-35, of which 26-30 again.
+    "rolled back, replayed clean": {"productive": 2.5, "snapshot": 0, "restore": 2, "recompute": 0.5, "evaluate": 0,
+                                    "restart": 0, "rollback": 3},
     "mid-train": {"productive": 3, "snapshot": 2, "restore": 2, "recompute": 0, "evaluate": 0, "restart": 0, "rollback": 0},
     # Restart 2: the process's 3 s; RESTORE t2-t4, TRAIN t4-t6 and t8-t10, SNAPSHOT t6-t8 and t10-t12.
     "per-node, failed snapshot, preempted": {"productive": 4, "snapshot": 4, "restore": 2, "recompute": 0, "evaluate": 0,
