@@ -174,8 +174,11 @@ def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
     assert poisoned.summary["params_sha256"] == results["skip-reference"].summary["params_sha256"]
     assert shown(tmp_path / "poisoned" / "run")["anomalies"]["skipped_samples"] == LOOP_SKIPPED
 
-    faulted = finished(loop_job(tmp_path / "faulted", env={"HEAL_FAULT": f"7:1:{tmp_path}"}))
+    # The transient fault with fast copies every 2 steps: the rollback reads node memory, not the durable store.
+    fast = [f"snapshot.local.url={tmp_path / 'shm'}", "snapshot.local.every_steps=2"]
+    faulted = finished(loop_job(tmp_path / "faulted", fast, env={"HEAL_FAULT": f"7:1:{tmp_path}"}))
     said = warnings(faulted.output)
     assert said[0].startswith("anomaly at step 7: gradient norm inf on rank(s) 1 (host ") and "replayed clean" in said[1], said
+    assert "rolled back to step 6 from the node-local tier of node 0" in faulted.output, faulted.output[-4000:]
     assert faulted.summary["params_sha256"] == results["reference"].summary["params_sha256"]
     assert results["reference"].summary["params_sha256"] != results["skip-reference"].summary["params_sha256"]
