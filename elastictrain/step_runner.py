@@ -11,12 +11,14 @@ one optimizer may too. Call ``session.step()`` after ``run``.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from . import failpoints
+from .anomalies import grad_norm
 from .data import batch_size_of
 from .task import split_loss
 
@@ -50,14 +52,18 @@ class StepRunner:
         session.gradients_ready()
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
-        norm = None
+        norm = checked = None
         if self.clip_grad_norm is not None or session.anomalies.active:
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
+            if self.clip_grad_norm is not None:  # the norm clipping uses, checked as it is
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
+                checked = float(norm)
+            else:
+                checked = grad_norm(self.params)
         # A scaler's non-finite gradients are its own to handle (it skips the step and lowers the scale).
-        if not (scaler is not None and norm is not None and not torch.isfinite(norm)) and \
-                not session.gradients_ok(norm=float(norm) if norm is not None else None):
+        if not (scaler is not None and checked is not None and not math.isfinite(checked)) and \
+                not session.gradients_ok(norm=checked):
             optimizer.zero_grad(set_to_none=True)  # the update is not taken: an anomaly, or a listed step
             if scaler is not None:
                 scaler.update(scaler.get_scale())  # forget this step's unscale, keep the scale and its growth count
