@@ -237,10 +237,6 @@ class Anomalies:
 
     # -- the vote and the replay ----------------------------------------------------------------
 
-    def requests(self) -> Requests:
-        """This rank's part of the vote: an anomaly waiting for its rollback."""
-        return Requests(anomaly=True) if self.pending is not None else NOTHING
-
     def due(self, step: int, fast_tier: bool) -> Requests:
         """Every rank at the same step of a replay: a copy of the step before the anomaly, to roll back to should
         it recur (so that the run then goes on from there without its samples)."""
