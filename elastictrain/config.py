@@ -197,6 +197,14 @@ class LogConfig(_Section):
     plots: bool = True  # at the end rank 0 draws loss and metric plots into <run dir>/plots (needs matplotlib)
 
 
+class TrackConfig(_Section):
+    # Experiment trackers on rank 0, each (name, step) written once a snapshot of its step commits (docs/guides/tracking.md).
+    tensorboard: bool = False  # TensorBoard event files (pip install 'elastictrain[tensorboard]')
+    tensorboard_dir: str = ""  # "": <run dir>/tensorboard
+    mlflow_uri: str = ""  # an MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, a directory); "": off
+    mlflow_experiment: str = ""  # "": run.name
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(factory=DEFAULT_TASK_FACTORY))
@@ -209,6 +217,7 @@ class Config(_Section):
     stragglers: StragglersConfig = Field(default_factory=StragglersConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
 
     @model_validator(mode="after")
     def _storage_options_need_a_remote_store(self) -> "Config":

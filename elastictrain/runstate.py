@@ -3,7 +3,7 @@
 Every snapshot holds these beside the user's registered state, under their own names:
 ``progress`` (step, epoch, data position), ``history`` (reduced metrics), ``run_log`` (one
 record per attempt), ``goodput`` (its counters), ``batch_geometry`` (the global batch the
-elastic policy kept) and ``threads`` (the intra-op thread count every start pins).
+elastic policy kept) and ``threads`` (the intra-op thread count every start pins) and ``tracking`` (the tracker run ids).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from .geometry import BatchGeometry
 from .goodput import Goodput
 from .snapshot import History, Progress, RunLog
 from .threads import ThreadPin
+from .trackers.ids import TrackingIds
 
-RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads")
+RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "tracking")
 
 
 class RunState:
@@ -26,6 +27,7 @@ class RunState:
         self.goodput = Goodput()  # on every rank: its counters travel in the snapshot
         self.batch_geometry = BatchGeometry()
         self.threads = ThreadPin(intra_op_threads)  # bits: the run's thread count at every start
+        self.tracking = TrackingIds()  # one tracker run across attempts (trackers/)
 
     def statefuls(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in RESERVED_NAMES}
