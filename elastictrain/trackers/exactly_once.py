@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..config import REDACTED, Config
 from ..events import Observer, Observers, SnapshotReport
@@ -45,7 +45,10 @@ def metric_points(record: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 class Tracking(Observer):
-    """Rank 0's trackers: history records once a snapshot of their step has committed, restarts as markers."""
+    """Rank 0's trackers: history records once a snapshot of their step has committed, restarts as markers.
+
+    A tracker that fails (a server down, a wrong URI) is said in one line and switched off; the run goes on.
+    """
 
     def __init__(self, backends: list[Backend], run: "RunState", config: dict[str, Any]) -> None:
         self.backends, self.run, self.config = backends, run, config
@@ -59,15 +62,7 @@ class Tracking(Observer):
     def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None:
         # The history is the restored snapshot's now (or empty): read it from the start, skip what is stored.
         self.cursor = 0
-        attempts = self.run.run_log.attempts
-        for backend in self.backends:
-            if backend.name not in self.written:
-                created = backend.open(self.run.tracking, self.store)
-                if created:
-                    backend.log_config(self.config)
-                self.written[backend.name] = backend.written()
-            if len(attempts) > 1:
-                backend.mark_restart(step, len(attempts), attempts[-1].get("reason", "restart"))
+        self._each("start", lambda backend: self._start(backend, step))
 
     def snapshotted(self, report: SnapshotReport) -> None:
         if report.committed:
@@ -77,29 +72,53 @@ class Tracking(Observer):
         if dst is State.DONE:  # the end: every record is final (and the last snapshot holds it)
             self._write_through(None)
             summary = self._summary()
-            for backend in self.backends:
-                backend.log_summary(summary, step)
+            self._each("the summary", lambda backend: backend.log_summary(summary, step))
 
     def closed(self) -> None:
-        for backend in self.backends:
-            backend.close()
+        self._each("close", lambda backend: backend.close())
+
+    def _start(self, backend: Backend, step: int) -> None:
+        if backend.name not in self.written:
+            if backend.open(self.run.tracking, self.store):
+                backend.log_config(self.config)
+            self.written[backend.name] = backend.written()
+        attempts = self.run.run_log.attempts
+        # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.
+        if len(attempts) > 1 or attempts[-1]["restart_count"] > 0:
+            reason = attempts[-1]["reason"]
+            backend.mark_restart(step, len(attempts), "restart before the first snapshot" if reason == "fresh" else reason)
 
     def _write_through(self, step: int | None) -> None:
         records = self.run.history.records
         end = self.cursor
         while end < len(records) and (step is None or records[end]["step"] <= step):
             end += 1
-        for backend in self.backends:
-            stored = self.written[backend.name]
-            points = []
-            for record in records[self.cursor:end]:
-                for name, value in metric_points(record):
-                    if record["step"] > stored.get(name, -1):
-                        points.append((name, record["step"], value))
-                        stored[name] = record["step"]
-            if points:
-                backend.write(points)
+        self._each("a write", lambda backend: self._write(backend, records[self.cursor:end]))
         self.cursor = end
+
+    def _write(self, backend: Backend, records: list[dict[str, Any]]) -> None:
+        stored = self.written[backend.name]
+        latest, points = dict(stored), []
+        for record in records:
+            for name, value in metric_points(record):
+                if record["step"] > latest.get(name, -1):  # each (name, step) once, whatever an attempt replays
+                    points.append((name, record["step"], value))
+                    latest[name] = record["step"]
+        if points:
+            backend.write(points)
+            stored.update(latest)  # only once written: a failed write is retried by the next attempt
+
+    def _each(self, what: str, call: Callable[[Backend], None]) -> None:
+        for backend in list(self.backends):
+            try:
+                call(backend)
+            except Exception as exc:  # the tracker's store, not training: one line, and the run goes on
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                log.warning("track: %s failed in %s (%s: %s) and is switched off for this attempt; the run goes on and "
+                            "the next attempt writes what this one could not", backend.name, what,
+                            type(exc).__name__, first_line)
+                log.debug("track: %s failed", backend.name, exc_info=True)
+                self.backends.remove(backend)
 
     def _summary(self) -> dict[str, Any]:
         progress, history = self.run.progress, self.run.history
