@@ -11,6 +11,7 @@ import os
 import random
 import re
 import signal
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy
@@ -19,12 +20,14 @@ import pytest
 from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import start_steps
+from elastictrain.events import SnapshotReport, TrainInterval
+from elastictrain.runstate import RunState
+from elastictrain.trackers.exactly_once import Tracking
+from elastictrain.trackers.tensorboard_backend import TensorBoardBackend
 from tests.helpers.mlflow_server import MlflowServer
 
 pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")
-
-pytestmark = pytest.mark.torchrun
 
 TIMEOUT_S = 240
 STEPS = 64  # 4 epochs of 16 steps (1024 samples / (16 x 2 ranks x 2 micro-batches))
@@ -107,6 +110,7 @@ def unbroken(tmp_path_factory, mlflow_server):
     return workdir
 
 
+@pytest.mark.torchrun
 def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_and_summary(unbroken, mlflow_server):
     board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
     assert set(board) == {"train_loss", "train_accuracy", "lr"}  # train_accuracy: the value the example logs
@@ -121,6 +125,7 @@ def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_
     assert run.info.status == "FINISHED" and run.data.tags["summary.global_step"] == str(STEPS)
 
 
+@pytest.mark.torchrun
 def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step_once(tmp_path, unbroken, mlflow_server):
     # Random ranks and steps, reproducible (seed 30: rank 1 in step 4, rank 0 in 17, rank 1 in 28, preempted in 47):
     # the first kill lands before the first snapshot (step 5), so the restarted attempt starts fresh and finds the
@@ -159,3 +164,45 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
                                                                    "elastictrain/summary/text_summary"]
     assert run.info.status == "FINISHED" and run.data.tags["summary.attempts"] == "4"
+
+
+def attempt(directory: Path, history: list[dict], restored_step: int, restart_count: int) -> tuple[Tracking, RunState]:
+    """One attempt's tracker on rank 0, as the session drives it: started, the snapshot's history restored."""
+    run = RunState(1)
+    run.history.records = [dict(record) for record in history]
+    run.run_log.begin(restart_count=restart_count, world_size=2, start_step=restored_step, launcher="torchrun",
+                      started_unix=0.0, restored=restored_step > 0)
+    tracking = Tracking([TensorBoardBackend(str(directory))], run, {"run": {"name": "x"}})
+    tracking.started(SimpleNamespace(store=None))
+    tracking.restored(restored_step, 0.0, restored_step > 0)
+    return tracking, run
+
+
+def train(tracking: Tracking, run: RunState, steps: range, value) -> None:
+    for step in steps:
+        run.history.append(step=step, epoch=0, train_loss=value(step))
+        tracking.trained(TrainInterval(step=step, epoch=0, steps=1, samples=1, elapsed_s=0.0, metrics={}))
+
+
+def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_writes_no_step_twice(tmp_path):
+    """The TensorBoard backend on a real event directory, driven as rank 0's events arrive: nothing is written past the
+    newest committed snapshot; an attempt restored from an older snapshot (the newest one lost with its node) at
+    another world size, whose replayed values differ, writes only the steps never written, never one twice."""
+    directory = tmp_path / "tensorboard"
+    first, run = attempt(directory, [], 0, 0)
+    train(first, run, range(1, 9), lambda step: step / 10)
+    first.snapshotted(SnapshotReport(step=4, committed=False, duration_s=0.0, error="store down"))
+    first.snapshotted(SnapshotReport(step=5, committed=True, duration_s=0.0, tier="local"))
+    first.closed()  # SIGKILLed in step 9: steps 6 to 8 were never in a committed snapshot
+    assert [(step, round(value, 6)) for _, step, value in tensorboard_points(directory)] == [
+        (step, round(step / 10, 6)) for step in range(1, 6)]
+
+    again, run = attempt(directory, run.history.records[:3], 3, 1)  # the copy of step 5 is lost: step 3's restores
+    train(again, run, range(4, 11), lambda step: step / 100)  # another world size: other values
+    again.snapshotted(SnapshotReport(step=10, committed=True, duration_s=0.0))
+    again.closed()
+    points = tensorboard_points(directory)
+    assert [(step, attempt) for tag, step, attempt in points if tag == MARKER] == [(3, 1.0)]
+    written = sorted((step, round(value, 6)) for tag, step, value in points if tag == "train_loss")
+    assert written == [(step, round(step / 10, 6)) for step in range(1, 6)] + [
+        (step, round(step / 100, 6)) for step in range(6, 11)]
