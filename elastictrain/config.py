@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -282,6 +283,7 @@ class Config(_Section):
         if redact:
             durable = data["snapshot"]["durable"]
             durable["storage_options"] = redact_secrets(durable["storage_options"])
+            data["track"]["mlflow_uri"] = re.sub(r"//[^/@]*@", f"//{REDACTED}@", data["track"]["mlflow_uri"])  # user:password@
         return data
 
 

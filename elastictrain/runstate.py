@@ -3,7 +3,7 @@
 Every snapshot holds these beside the user's registered state, under their own names:
 ``progress`` (step, epoch, data position), ``history`` (reduced metrics), ``run_log`` (one
 record per attempt), ``goodput`` (its counters), ``batch_geometry`` (the global batch the
-elastic policy kept) and ``threads`` (the intra-op thread count every start pins) and ``tracking`` (the tracker run ids).
+elastic policy kept), ``threads`` (the intra-op thread count every start pins) and ``tracking`` (the tracker run ids).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import pytest
 from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import start_steps
+from elastictrain.config import REDACTED, load_config
 from elastictrain.events import SnapshotReport, TrainInterval
 from elastictrain.runstate import RunState
 from elastictrain.trackers.exactly_once import Tracking
@@ -206,3 +207,9 @@ def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_wr
     written = sorted((step, round(value, 6)) for tag, step, value in points if tag == "train_loss")
     assert written == [(step, round(step / 10, 6)) for step in range(1, 6)] + [
         (step, round(step / 100, 6)) for step in range(6, 11)]
+
+
+def test_a_password_in_the_mlflow_uri_is_redacted_where_the_config_is_logged_or_saved():
+    config = load_config(None, ["track.mlflow_uri=https://alice:s3cret@mlflow.example:5000/"])
+    assert config.to_dict(redact=True)["track"]["mlflow_uri"] == f"https://{REDACTED}@mlflow.example:5000/"
+    assert config.track.mlflow_uri == "https://alice:s3cret@mlflow.example:5000/"  # the client still gets it

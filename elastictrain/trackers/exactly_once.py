@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from ..config import REDACTED, Config
+from ..config import Config
 from ..events import Observer, Observers, SnapshotReport
 from ..states import State
 from .ids import TrackingIds
@@ -140,6 +139,4 @@ def attach_trackers(cfg: Config, events: Observers, run: "RunState") -> None:
 
         backends.append(MlflowBackend(track.mlflow_uri, track.mlflow_experiment or cfg.run.name, cfg.run.name))
     if backends:
-        config = cfg.to_dict(redact=True)
-        config["track"]["mlflow_uri"] = re.sub(r"//[^/@]*@", f"//{REDACTED}@", track.mlflow_uri)  # user:password@host
-        events.add(Tracking(backends, run, config))
+        events.add(Tracking(backends, run, cfg.to_dict(redact=True)))
