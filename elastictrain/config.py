@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -213,6 +214,14 @@ class LogConfig(_Section):
     plots: bool = True  # at the end rank 0 draws loss and metric plots into <run dir>/plots (needs matplotlib)
 
 
+class TrackConfig(_Section):
+    # Experiment trackers on rank 0, each (name, step) written once a snapshot of its step commits (docs/guides/tracking.md).
+    tensorboard: bool = False  # TensorBoard event files (pip install 'elastictrain[tensorboard]')
+    tensorboard_dir: str = ""  # "": <run dir>/tensorboard
+    mlflow_uri: str = ""  # an MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, a directory); "": off
+    mlflow_experiment: str = ""  # "": run.name
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(factory=DEFAULT_TASK_FACTORY))
@@ -226,6 +235,7 @@ class Config(_Section):
     anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
 
     @model_validator(mode="after")
     def _storage_options_need_a_remote_store(self) -> "Config":
@@ -290,6 +300,7 @@ class Config(_Section):
         if redact:
             durable = data["snapshot"]["durable"]
             durable["storage_options"] = redact_secrets(durable["storage_options"])
+            data["track"]["mlflow_uri"] = re.sub(r"//[^/@]*@", f"//{REDACTED}@", data["track"]["mlflow_uri"])  # user:password@
         return data
 
 

@@ -4,9 +4,9 @@ Every snapshot holds these beside the user's registered state, under their own n
 ``progress`` (step, epoch, data position), ``history`` (reduced metrics), ``run_log`` (one
 record per attempt), ``goodput`` (its counters), ``batch_geometry`` (the global batch the
 elastic policy kept), ``threads`` (the intra-op thread count every start pins), ``anomalies``
-(the skip lists and every anomaly's decision) and ``grad_norms`` (the running gradient norms
-spikes are judged against). A rollback restores all but ``ROLLBACK_KEEPS``: what the process
-measured and what the rollback learned.
+(the skip lists and every anomaly's decision), ``grad_norms`` (the running gradient norms
+spikes are judged against) and ``tracking`` (the tracker run ids). A rollback restores all but
+``ROLLBACK_KEEPS``: what the process measured and what the rollback learned.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from .geometry import BatchGeometry
 from .goodput import Goodput
 from .snapshot import History, Progress, RunLog
 from .threads import ThreadPin
+from .trackers.ids import TrackingIds
 
-RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "anomalies", "grad_norms")
-ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies")
+RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "anomalies", "grad_norms",
+                  "tracking")
+ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies", "tracking")
 
 
 class RunState:
@@ -33,6 +35,7 @@ class RunState:
         self.threads = ThreadPin(intra_op_threads)  # bits: the run's thread count at every start
         self.anomalies = AnomalyLog(skip_samples)
         self.grad_norms = GradNormStatistic()
+        self.tracking = TrackingIds()  # one tracker run across attempts (trackers/)
 
     def statefuls(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in RESERVED_NAMES}

@@ -71,7 +71,7 @@ def plot(run: RunState, run_dir: str, run_name: str) -> None:
 
 
 def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: StateMachine, run: RunState) -> None:
-    """Rank 0's progress report and plots; the exporter on rank 0 (and each node's local rank 0 with per_node)."""
+    """Rank 0's progress report, plots and trackers (track.*); the exporter on rank 0 (and each node's local rank 0 with per_node)."""
     if ctx.is_main:
         events.add(ProgressReport(cfg.log))
         if cfg.log.plots:
@@ -81,3 +81,7 @@ def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: 
         from .metrics import PrometheusObserver  # binds the port now: a port in use fails before training
 
         events.add(PrometheusObserver(metrics, goodput=run.goodput, run_name=cfg.run.name))
+    if ctx.is_main:
+        from .trackers.exactly_once import attach_trackers
+
+        attach_trackers(cfg, events, run)

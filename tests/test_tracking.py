@@ -1,0 +1,215 @@
+"""Exactly-once tracking under real torchrun: examples/accumulation.py (the custom-loop API, with a metric the user
+logs) writes to TensorBoard and to a real ``mlflow server`` on 127.0.0.1. An unbroken run, and a run whose workers
+get 3 SIGKILLs at random steps and whose agent then gets a preemption, relaunched to the end, are read back with the
+trackers' own readers (TensorBoard's event file loader, ``MlflowClient.get_metric_history``): the same series, every
+(name, step) once, bitwise; one MLflow run across the 5 attempts; restarts as markers at the steps restored.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+from types import SimpleNamespace
+from pathlib import Path
+
+import numpy
+import pytest
+
+from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
+from tests.helpers import procs
+from tests.helpers.jobs import start_steps
+from elastictrain.config import REDACTED, load_config
+from elastictrain.events import SnapshotReport, TrainInterval
+from elastictrain.runstate import RunState
+from elastictrain.trackers.exactly_once import Tracking
+from elastictrain.trackers.tensorboard_backend import TensorBoardBackend
+from tests.helpers.mlflow_server import MlflowServer
+
+pytest.importorskip("mlflow")
+pytest.importorskip("tensorboard")
+
+TIMEOUT_S = 240
+STEPS = 64  # 4 epochs of 16 steps (1024 samples / (16 x 2 ranks x 2 micro-batches))
+MARKER = "elastictrain/restart"
+# Metrics at every step: a preemption's snapshot step then reduces no partial interval (the history of a run
+# preempted between two log steps holds one more record than an unbroken run's; trackers show the history).
+COMMON = ["log.plots=false", "log.progress_bar=false", "preempt.vote_every_s=0", "snapshot.durable.every_steps=5",
+          "train.log_every_steps=1", "track.tensorboard=true"]
+PAUSED = REPO_ROOT / "tests" / "helpers" / "paused_example.py"
+PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.stop()
+
+
+def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = None) -> procs.Launched:
+    script = [str(PAUSED)] if pauses is not None else []
+    command = [*torchrun_launcher(max_restarts=4), *script, str(REPO_ROOT / "examples" / "accumulation.py"),
+               f"run.dir={workdir / 'run'}", f"track.mlflow_uri={server.uri}", f"track.mlflow_experiment={workdir.name}",
+               *COMMON]
+    env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}
+    return procs.launch(command, log_path=workdir / f"{name}.log", env=env, cwd=workdir)
+
+
+def tensorboard_points(directory: Path) -> list[tuple[str, int, float]]:
+    """Every scalar point in the directory's event files, in file order (duplicates kept: no purge)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    points = []
+    for name in sorted(os.listdir(directory)):
+        for event in EventFileLoader(str(directory / name)).Load():
+            # The loader hands scalars over as float32 tensors of the scalars plugin.
+            points += [(value.tag, event.step, value.tensor.float_val[0]) for value in event.summary.value
+                       if value.metadata.plugin_data.plugin_name == "scalars"]
+    return points
+
+
+def text_tags(directory: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [value.tag for name in sorted(os.listdir(directory)) for event in EventFileLoader(str(directory / name)).Load()
+            for value in event.summary.value if value.metadata.plugin_data.plugin_name == "text"]
+
+
+def mlflow_run(server: MlflowServer, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server.uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, f"one MLflow run per elastictrain run, found {len(runs)}"
+    run = runs[0]
+    series = {name: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, name)]
+              for name in run.data.metrics}
+    return run, {name: sorted(points) for name, points in series.items()}
+
+
+def series_of(points: list[tuple[str, int, float]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for name, step, value in points:
+        series.setdefault(name, []).append((step, value))
+    return {name: sorted(values) for name, values in series.items()}
+
+
+def once_each(series: dict[str, list[tuple[int, float]]]) -> None:
+    for name, points in series.items():
+        steps = [step for step, _ in points]
+        assert len(steps) == len(set(steps)), f"{name}: a step written twice: {steps}"
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, mlflow_server):
+    workdir = tmp_path_factory.mktemp("unbroken")
+    job = launch(workdir, "job", mlflow_server)
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    procs.kill_all_launched()
+    return workdir
+
+
+@pytest.mark.torchrun
+def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_and_summary(unbroken, mlflow_server):
+    board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
+    assert set(board) == {"train_loss", "train_accuracy", "lr"}  # train_accuracy: the value the example logs
+    assert all([step for step, _ in points] == list(range(1, STEPS + 1)) for points in board.values())
+    assert sorted(text_tags(unbroken / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
+                                                                   "elastictrain/summary/text_summary"]
+    run, series = mlflow_run(mlflow_server, unbroken.name)
+    assert set(series) == set(board)
+    for name, points in series.items():  # MLflow keeps the float64 that TensorBoard rounds to float32
+        assert [(step, float(numpy.float32(value))) for step, value in points] == board[name]
+    assert run.data.params["train.log_every_steps"] == "1" and run.data.params["track.tensorboard"] == "true"
+    assert run.info.status == "FINISHED" and run.data.tags["summary.global_step"] == str(STEPS)
+
+
+@pytest.mark.torchrun
+def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step_once(tmp_path, unbroken, mlflow_server):
+    # Random ranks and steps, reproducible (seed 30: rank 1 in step 4, rank 0 in 17, rank 1 in 28, preempted in 47):
+    # the first kill lands before the first snapshot (step 5), so the restarted attempt starts fresh and finds the
+    # MLflow run in torchrun's store; the others resume from the snapshot before them and replay steps.
+    rng = random.Random(30)
+    kills = [(rng.choice((0, 1)), rng.randint(low, low + span)) for low, span in ((2, 2), (14, 8), (28, 8))]
+    preempt_step = rng.randint(44, 50)
+    pauses = ",".join(f"{rank}@{step}" for rank, step in kills) + f",0@{preempt_step}"
+    job = launch(tmp_path, "first", mlflow_server, pauses)
+    for rank, step in kills:
+        os.kill(int(procs.wait_for_file(tmp_path / f"paused-rank{rank}-step{step}.pid", TIMEOUT_S, job)), signal.SIGKILL)
+    paused = int(procs.wait_for_file(tmp_path / f"paused-rank0-step{preempt_step}.pid", TIMEOUT_S, job))
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait_for(lambda out: f"Sending process {paused} closing signal SIGTERM" in out, TIMEOUT_S, "SIGTERM to rank 0")
+    (tmp_path / f"paused-rank0-step{preempt_step}.resume").touch()
+    job.wait(TIMEOUT_S)
+    assert len(PREEMPTED.findall(job.output())) == 1, job.output()[-4000:]
+    again = launch(tmp_path, "second", mlflow_server, pauses)
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
+    assert parse_job(again.output()).summary["step"] == str(STEPS)
+    restored = (start_steps(job.output()) + start_steps(again.output()))[1:]
+    assert len(restored) == 4 and restored[0] == 0 and all(step > 0 for step in restored[1:]), restored
+
+    board = series_of(tensorboard_points(tmp_path / "run" / "tensorboard"))
+    expected_board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
+    # A marker at each restart's step, valued with the attempts the run's snapshots know of (the fresh restart's one).
+    assert sorted(board.pop(MARKER)) == list(zip(sorted(restored), [1, 2, 3, 4]))
+    once_each(board)
+    assert board == expected_board  # bitwise: the same float32 at every step
+    run, series = mlflow_run(mlflow_server, tmp_path.name)
+    _, expected = mlflow_run(mlflow_server, unbroken.name)
+    markers = series.pop(MARKER)
+    once_each(series)
+    assert series == expected  # bitwise: the same float64 at every step
+    assert sorted(markers) == list(zip(sorted(restored), [1, 2, 3, 4]))
+    assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
+                                                                   "elastictrain/summary/text_summary"]
+    assert run.info.status == "FINISHED" and run.data.tags["summary.attempts"] == "4"
+
+
+def attempt(directory: Path, history: list[dict], restored_step: int, restart_count: int) -> tuple[Tracking, RunState]:
+    """One attempt's tracker on rank 0, as the session drives it: started, the snapshot's history restored."""
+    run = RunState(1)
+    run.history.records = [dict(record) for record in history]
+    run.run_log.begin(restart_count=restart_count, world_size=2, start_step=restored_step, launcher="torchrun",
+                      started_unix=0.0, restored=restored_step > 0)
+    tracking = Tracking([TensorBoardBackend(str(directory))], run, {"run": {"name": "x"}})
+    tracking.started(SimpleNamespace(store=None))
+    tracking.restored(restored_step, 0.0, restored_step > 0)
+    return tracking, run
+
+
+def train(tracking: Tracking, run: RunState, steps: range, value) -> None:
+    for step in steps:
+        run.history.append(step=step, epoch=0, train_loss=value(step))
+        tracking.trained(TrainInterval(step=step, epoch=0, steps=1, samples=1, elapsed_s=0.0, metrics={}))
+
+
+def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_writes_no_step_twice(tmp_path):
+    """The TensorBoard backend on a real event directory, driven as rank 0's events arrive: nothing is written past the
+    newest committed snapshot; an attempt restored from an older snapshot (the newest one lost with its node) at
+    another world size, whose replayed values differ, writes only the steps never written, never one twice."""
+    directory = tmp_path / "tensorboard"
+    first, run = attempt(directory, [], 0, 0)
+    train(first, run, range(1, 9), lambda step: step / 10)
+    first.snapshotted(SnapshotReport(step=4, committed=False, duration_s=0.0, error="store down"))
+    first.snapshotted(SnapshotReport(step=5, committed=True, duration_s=0.0, tier="local"))
+    first.closed()  # SIGKILLed in step 9: steps 6 to 8 were never in a committed snapshot
+    assert [(step, round(value, 6)) for _, step, value in tensorboard_points(directory)] == [
+        (step, round(step / 10, 6)) for step in range(1, 6)]
+
+    again, run = attempt(directory, run.history.records[:3], 3, 1)  # the copy of step 5 is lost: step 3's restores
+    train(again, run, range(4, 11), lambda step: step / 100)  # another world size: other values
+    again.snapshotted(SnapshotReport(step=10, committed=True, duration_s=0.0))
+    again.closed()
+    points = tensorboard_points(directory)
+    assert [(step, attempt) for tag, step, attempt in points if tag == MARKER] == [(3, 1.0)]
+    written = sorted((step, round(value, 6)) for tag, step, value in points if tag == "train_loss")
+    assert written == [(step, round(step / 10, 6)) for step in range(1, 6)] + [
+        (step, round(step / 100, 6)) for step in range(6, 11)]
+
+
+def test_a_password_in_the_mlflow_uri_is_redacted_where_the_config_is_logged_or_saved():
+    config = load_config(None, ["track.mlflow_uri=https://alice:s3cret@mlflow.example:5000/"])
+    assert config.to_dict(redact=True)["track"]["mlflow_uri"] == f"https://{REDACTED}@mlflow.example:5000/"
+    assert config.track.mlflow_uri == "https://alice:s3cret@mlflow.example:5000/"  # the client still gets it
