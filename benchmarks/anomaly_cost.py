@@ -4,7 +4,11 @@
    ``torchrun --nproc-per-node=2`` with ``anomaly.policy=rollback`` (the default: the gradient norm and the
    loss checked before every optimizer step) and with ``anomaly.policy=off``, as interleaved pairs whose
    order alternates. Reported: the median over pairs of on / off (target <= 1.01).
-2. One rollback: the custom loop of the self-healing tests (``tests/helpers/healing_loop.py``) with a
+2. The check alone, in one process (one intra-op thread, as torchrun gives each worker): the same model's
+   step (forward, backward, AdamW) in blocks of 20, alternately with and without what the check adds
+   (``anomalies.grad_norm`` over the gradients and reading the loss); the median over blocks of with /
+   without. Less noise than (1), whose pairs scatter by +-15 % on a busy machine.
+3. One rollback: the custom loop of the self-healing tests (``tests/helpers/healing_loop.py``) with a
    transient fault on rank 1 at step 7, durable snapshots every 5 steps, once with the fast tier (node
    memory, /dev/shm) and once without; the seconds its goodput counts as ``rollback`` (the ROLLBACK state:
    the vote's gather, the restore) and as ``recompute`` (the steps replayed), from the final snapshot.
@@ -52,6 +56,40 @@ def step_time(mode: str, model: str, workdir: pathlib.Path) -> float:
     return run_job(command, env_with(OVERHEAD_CONFIG=json.dumps(MODES[mode])), out, f"{mode} on {model}", workdir)
 
 
+def check_alone(model_name: str, blocks: int = 12, steps: int = 20) -> float:
+    import torch.nn.functional as F
+
+    from _overhead_worker import MODELS, dataset  # the step-overhead job's models and data
+    from elastictrain.anomalies import grad_norm
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, labels = dataset(model_name, 32).tensors
+    params = list(model.parameters())
+
+    def block(check: bool) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            loss = F.cross_entropy(model(inputs), labels)
+            loss.backward()
+            if check:
+                grad_norm(params)
+                float(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    block(False)
+    ratios = []
+    for repeat in range(blocks):
+        order = (True, False) if repeat % 2 else (False, True)
+        timed = {check: block(check) for check in order}
+        ratios.append(timed[True] / timed[False])
+    return statistics.median(ratios)
+
+
 def one_rollback(workdir: pathlib.Path, fast_tier: bool) -> dict[str, float]:
     run_dir = workdir / f"rollback-{'fast' if fast_tier else 'durable'}"
     overrides = [f"run.dir={run_dir}", "train.max_epochs=1"]
@@ -87,6 +125,7 @@ def main() -> None:
             ratios = [on / off for on, off in zip(times["on"], times["off"], strict=True)]
             results[model] = {"off_step_ms": [t * 1e3 for t in times["off"]], "on_step_ms": [t * 1e3 for t in times["on"]],
                               "ratios": ratios, "median_ratio": statistics.median(ratios)}
+        results["check_alone"] = {model: check_alone(model) for model in STEPS}
         results["rollback"] = {"fast_tier": one_rollback(workdir, True), "durable_only": one_rollback(workdir, False)}
     results["load_after"] = os.getloadavg()[0]
     print("| model | off step ms (median) | on step ms (median) | median of paired on/off | target |")
@@ -95,6 +134,8 @@ def main() -> None:
         r = results[model]
         print(f"| {model} | {statistics.median(r['off_step_ms']):.3f} | {statistics.median(r['on_step_ms']):.3f} "
               f"| {r['median_ratio']:.3f} | <= 1.01 {'met' if r['median_ratio'] <= 1.01 else 'NOT met'} |")
+    for model, ratio in results["check_alone"].items():
+        print(f"the check alone, one process, {model}: {ratio:.3f} x the step without it")
     for tier, r in results["rollback"].items():
         print(f"one rollback ({tier}): {r['rollback_s']:.3f} s in ROLLBACK, {r['recompute_s']:.3f} s replaying")
     print(f"load average: {results['load_before']:.1f} before, {results['load_after']:.1f} after")
