@@ -56,7 +56,7 @@ class Sighting:
 
     step: int
     value: float
-    kind: str  # "gradient norm" or "loss"
+    kind: str  # "gradient norm", "loss" (a rank's own), or "weights" (non-finite before a snapshot)
     host: str
     spike: bool = False  # a finite value over anomaly.spike_factor times its running mean
     own_loss: bool = False  # this rank's own loss was non-finite at that step: a NaN started here
@@ -85,8 +85,7 @@ def judge(sightings: list[Sighting | None], replaying: int | None, rollbacks: in
     step = min(s.step for _, s in seen)
     at_step = [(rank, s) for rank, s in seen if s.step == step]
     ranks = tuple(rank for rank, _ in at_step)
-    gradient = [s for _, s in at_step if s.kind == "gradient norm"]
-    first = (gradient or [s for _, s in at_step])[0]
+    first = min((s for _, s in at_step), key=lambda s: ("gradient norm", "loss", "weights").index(s.kind))
     origin = tuple(rank for rank, s in at_step if s.own_loss)
     if rollbacks >= budget:
         action = "stop"
@@ -168,6 +167,9 @@ class Anomalies:
     def __init__(self, cfg: AnomalyConfig, record: AnomalyLog, stats: GradNormStatistic) -> None:
         self.cfg, self.record, self.stats = cfg, record, stats
         self.active = cfg.policy != "off"
+        # Whether every step's gradient norm is read (one pass over the gradients): see AnomalyConfig.
+        self.check_gradients = self.active and (cfg.check_gradients is True or (
+            cfg.check_gradients == "auto" and (cfg.policy == "skip" or cfg.spike_factor > 0)))
         self.host = socket.gethostname()
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
         self.replaying: int | None = None  # the anomalous step a replay is heading for
@@ -183,13 +185,15 @@ class Anomalies:
 
     # -- the checks (every step) ---------------------------------------------------------------
 
-    def gradients_ok(self, norm: float, step: int) -> bool:
-        """Before the optimizer step of ``step`` (1-based): True to take it."""
+    def gradients_ok(self, norm: float | None, step: int) -> bool:
+        """Before the optimizer step of ``step`` (1-based): True to take it. ``norm`` None: not read this step."""
         index, self._index = self._index, self._index + 1
         if step in self.record.skipped_steps:
             return False  # listed: this step's update was found to come from its data
         if not self.active:
             return True
+        if norm is None:  # this rank's own loss may have said it already: its update waits for the rollback
+            return self.pending is None or self.pending.step != step
         spike = math.isfinite(norm) and self.stats.is_spike(index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
         if math.isfinite(norm) and not spike:
             self.stats.update(index, norm, self.cfg.spike_window_steps)
@@ -212,6 +216,15 @@ class Anomalies:
             self.pending = Sighting(step, number, "loss", self.host, own_loss=True)
         elif self.pending.step == step:
             self.pending = dataclasses.replace(self.pending, own_loss=True)
+
+    def weights(self, parameters: Iterable[torch.Tensor], step: int) -> None:
+        """Before anything leaves TRAIN (a snapshot, above all): this rank's weights must be finite, or the update
+        that broke them (an anomaly the cheaper checks let through) is rolled back instead of saved."""
+        if self.cfg.policy != "rollback" or self.pending is not None:
+            return
+        tensors = [p.detach() for p in parameters]
+        if tensors and not math.isfinite(float(torch.stack(torch._foreach_norm(tensors, 2.0)).sum())):
+            self.pending = Sighting(step, math.nan, "weights", self.host)
 
     def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
         """``session.step()`` of ``step``, before the data position moves on: the step's samples where wanted."""
@@ -333,6 +346,8 @@ class Anomalies:
         world = self.ctx.world_size if self.ctx is not None else 1
         if world == 1:
             return ""
+        if verdict.kind != "gradient norm":  # a rank's own loss or weights
+            return f" on rank(s) {_ranks(verdict.ranks, self._hosts(verdict.ranks))}"
         if len(verdict.ranks) == world:
             if verdict.origin and len(verdict.origin) < world:
                 return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "

@@ -184,6 +184,10 @@ class AnomalyConfig(_Section):
     """Self-healing (anomalies.py): what a non-finite or spiking step does."""
 
     policy: Literal["off", "skip", "rollback"] = "rollback"  # skip: drop the step's update; rollback: replay it to tell data from fault
+    # The global gradient norm before every update: "auto" where it is had anyway (train.clip_grad_norm) or needed
+    # (policy skip, spike_factor > 0); true: every step (one read of the gradients); the loss and, before each
+    # snapshot, the weights are checked always.
+    check_gradients: Union[bool, Literal["auto"]] = "auto"
     spike_factor: NonNegativeFloat = 0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
     warmup_steps: NonNegativeInt = 100  # steps of running mean before spikes are judged
     spike_window_steps: PositiveInt = 100  # the running mean's window (an exponential mean after warm-up)

@@ -256,7 +256,7 @@ class Session:
         step = self.global_step + 1
         if not self.anomalies.active and step not in self.state.anomalies.skipped_steps:
             return True
-        if norm is None:
+        if norm is None and self.anomalies.check_gradients:
             if parameters is None:
                 parameters = self.model.parameters()
             elif isinstance(parameters, nn.Module):
@@ -314,13 +314,15 @@ class Session:
         # The vote posted now is read at the next voting boundary: it overlaps the steps between.
         requests = self.health.post(self.tiers, step) | self.anomalies.due(step, self.tiers.local is not None)
         if self.anomalies.verifying(step):  # a replay at its anomalous step: every rank learns whether it recurred
+            self.anomalies.weights(self.model.parameters(), step)
             requests |= self.health.settle(self.tiers, step)
             if not requests.anomaly:
                 self.anomalies.replayed_clean(step)
         if requests.snapshot_failed:
             self.tiers.durable.raise_write_failure()
         if self._next_state(requests) is not State.TRAIN:
-            # Leave TRAIN with nothing in flight and everything every rank asked for.
+            # Leave TRAIN with nothing in flight and everything every rank asked for; never save non-finite weights.
+            self.anomalies.weights(self.model.parameters(), step)
             state = self._next_state(requests | self.health.settle(self.tiers, step))
             if self.metrics.pending and state is not State.ROLLBACK:  # a rollback replays the values instead
                 self._reduce_train_metrics()

@@ -53,7 +53,7 @@ class StepRunner:
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
         norm = checked = None
-        if self.clip_grad_norm is not None or session.anomalies.active:
+        if self.clip_grad_norm is not None or session.anomalies.check_gradients:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if self.clip_grad_norm is not None:  # the norm clipping uses, checked as it is

@@ -86,10 +86,9 @@ def skip_reference(tmp_path_factory):
 def test_a_poisoned_sample_is_rolled_back_replayed_found_to_be_data_and_skipped(tmp_path, skip_reference):
     result = finished(run(tmp_path, "job", [f"task.args.poison={POISON}"]))
     said = warnings(result.output)
-    assert said[0].startswith(f"anomaly at step {POISON_STEP}: gradient norm nan on every rank after the gradient "
-                              "all-reduce; the loss was non-finite first on rank(s) 0 (host "), said
+    assert said[0].startswith(f"anomaly at step {POISON_STEP}: loss nan on rank(s) 0 (host "), said
     assert said[0].endswith(f"; rolled back to step {POISON_STEP - 1} to replay it (rollback 1 of 4)"), said
-    assert said[1].startswith(f"anomaly at step {POISON_STEP} recurred on replay (gradient norm nan): it is the data; "
+    assert said[1].startswith(f"anomaly at step {POISON_STEP} recurred on replay (loss nan): it is the data; "
                               f"its {PER_RANK} samples (global indices "), said
     assert said[1].endswith(f"rolled back to step {POISON_STEP - 1} (rollback 2 of 4)"), said
     assert len(said) == 2, said
@@ -116,15 +115,18 @@ def test_a_sigkill_in_the_middle_of_a_rollback_restarts_and_heals_the_same_way(t
 
 @pytest.mark.parametrize("sync", ["ddp", "virtual_shards"])
 def test_a_transient_fault_on_one_rank_is_replayed_clean_and_the_run_ends_bitwise(tmp_path, unbroken, sync):
-    extra = ["train.virtual_shards=2"] if sync == "virtual_shards" else []
+    # DDP with the default checks: rank 1 applies the inf, its loss of the next step is the first non-finite
+    # number. Virtual shards with the gradient norm read at every step (anomaly.check_gradients=true): the step itself.
+    extra, seen = ([], f"{FAULT_STEP + 1}: loss nan on rank(s) 1 (host ") if sync == "ddp" else (
+        ["train.virtual_shards=2", "anomaly.check_gradients=true"], f"{FAULT_STEP}: gradient norm inf on rank(s) 1 (host ")
     job = run(tmp_path, "job", extra, env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}:{tmp_path}",
                                            "ELASTICTRAIN_FAULT_RANK": "1"})
     result = finished(job)
     said = warnings(result.output)
-    assert said[0].startswith(f"anomaly at step {FAULT_STEP}: gradient norm inf on rank(s) 1 (host "), said
-    assert " only; rolled back to step 30 to replay it (rollback 1 of 4)" in said[0], said
-    assert said[1].startswith(f"step {FAULT_STEP} replayed clean: the anomaly (gradient norm inf) was a transient fault "
-                              "on rank(s) 1 (host "), said
+    assert said[0].startswith(f"anomaly at step {seen}"), said
+    assert "; rolled back to step 30 to replay it (rollback 1 of 4)" in said[0], said
+    assert said[1].startswith(f"step {seen.split(':')[0]} replayed clean: the anomaly ("), said
+    assert "was a transient fault on rank(s) 1 (host " in said[1], said
     assert len(said) == 2, said
     assert result.summary["params_sha256"] == unbroken(sync).summary["params_sha256"]
 
@@ -138,7 +140,7 @@ def test_a_persistent_anomaly_stops_the_run_past_its_budget_with_one_line_and_th
     # torchrun's agent prints its own ChildFailedError traceback; no worker prints one (no elastictrain frame).
     assert not [line for line in output.splitlines() if 'File "' in line and "/elastictrain/" in line], output[-5000:]
     stops = [line for line in output.splitlines() if "anomaly.max_rollbacks=4: training stopped" in line]
-    assert stops and all(f"anomaly at step {FAULT_STEP} (" in line for line in stops), output[-5000:]
+    assert stops and all(f"anomaly at step {FAULT_STEP}" in line for line in stops), output[-5000:]
     assert "after 4 rollback(s)" in stops[0]
     assert start_steps(output) == [0], "the error is recorded for the restarts, which stop before restoring"
     verified = subprocess.run([sys.executable, "-m", "elastictrain", "snapshots", "verify", str(tmp_path / "run" / "snapshots")],
@@ -170,12 +172,13 @@ def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
     results = {name: finished(job) for name, job in jobs.items()}
     poisoned = finished(loop_job(tmp_path / "poisoned", env={"HEAL_POISON": str(LOOP_POISON)}))
     said = warnings(poisoned.output)
-    assert "the loss was non-finite first on rank(s) 1 (host " in said[0] and "recurred on replay" in said[1], said
+    assert said[0].startswith("anomaly at step 8: loss nan on rank(s) 1 (host ") and "recurred on replay" in said[1], said
     assert poisoned.summary["params_sha256"] == results["skip-reference"].summary["params_sha256"]
     assert shown(tmp_path / "poisoned" / "run")["anomalies"]["skipped_samples"] == LOOP_SKIPPED
 
     # The transient fault with fast copies every 2 steps: the rollback reads node memory, not the durable store.
-    fast = [f"snapshot.local.url={tmp_path / 'shm'}", "snapshot.local.every_steps=2"]
+    # The gradient norm read at every step (anomaly.check_gradients=true): the fault is seen in its own step.
+    fast = [f"snapshot.local.url={tmp_path / 'shm'}", "snapshot.local.every_steps=2", "anomaly.check_gradients=true"]
     faulted = finished(loop_job(tmp_path / "faulted", fast, env={"HEAL_FAULT": f"7:1:{tmp_path}"}))
     said = warnings(faulted.output)
     assert said[0].startswith("anomaly at step 7: gradient norm inf on rank(s) 1 (host ") and "replayed clean" in said[1], said
