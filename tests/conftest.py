@@ -93,7 +93,12 @@ def parse_job(output: str) -> JobResult:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-    """One unbroken run of the traced test job (tests/helpers/jobs.py): what every faulted run must equal."""
-    from tests.helpers.jobs import run_reference
+    """One unbroken run of the traced test job (tests/helpers/jobs.py): what every faulted run must equal.
 
-    return run_reference(tmp_path_factory.mktemp("reference"))
+    Run once per suite, not once per pytest-xdist worker: the first worker to ask runs it in the
+    directory the workers share, the others wait for it and read what it left (tests/helpers/jobs.py)."""
+    from tests.helpers.jobs import shared_reference
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # no xdist: this process is the only one that asks
+        return shared_reference(tmp_path_factory.mktemp("reference"))
+    return shared_reference(tmp_path_factory.getbasetemp().parent / "reference")
