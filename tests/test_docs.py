@@ -22,10 +22,6 @@ LINKED_MARKDOWN = [REPO_ROOT / "README.md", REPO_ROOT / "launch" / "README.md", 
                    *sorted((REPO_ROOT / "docs").rglob("*.md"))]
 
 
-# The module's tests share one built site (`site`): one pytest-xdist worker runs them all, building it once.
-pytestmark = pytest.mark.xdist_group("docs-site")
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site as `mkdocs build --strict` writes it: a warning (a broken link or anchor, a page out of the nav) fails it."""

@@ -45,8 +45,6 @@ EXAMPLES = {
     "gan": Example(steps=4 * 1024 // (32 * 2), kill_step=13, preempt_step=37),
     "accumulation": Example(steps=4 * 1024 // (16 * 2 * 2), kill_step=13, preempt_step=37),  # 2 micro-batches a step
 }
-# An example's two tests stay on one pytest-xdist worker: they share its unbroken run (the module's `unbroken`).
-ONE_WORKER_PER_EXAMPLE = [pytest.param(example, marks=pytest.mark.xdist_group(f"example-{example}")) for example in EXAMPLES]
 
 
 def launch(workdir: Path, name: str, example: str, pauses: str | None = None) -> procs.Launched:
@@ -90,7 +88,7 @@ def unbroken(tmp_path_factory):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("example", ONE_WORKER_PER_EXAMPLE)
+@pytest.mark.parametrize("example", list(EXAMPLES))
 def test_an_unbroken_run_of_each_example_trains_every_step_with_its_state_in_the_snapshots(unbroken, example):
     result, workdir = unbroken(example)
     assert result.summary["state"] == "DONE" and result.summary["step"] == str(EXAMPLES[example].steps)
@@ -113,7 +111,7 @@ def test_an_unbroken_run_of_each_example_trains_every_step_with_its_state_in_the
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("example", ONE_WORKER_PER_EXAMPLE)
+@pytest.mark.parametrize("example", list(EXAMPLES))
 def test_each_example_killed_then_preempted_then_relaunched_ends_bitwise_equal_to_the_unbroken_run(tmp_path, unbroken, example):
     spec = EXAMPLES[example]
     same_command = f"1@{spec.kill_step},0@{spec.preempt_step}"

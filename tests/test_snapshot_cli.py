@@ -37,10 +37,6 @@ def train_into(url: str) -> None:
     }).fit()
 
 
-# The module's tests share one trained store (`trained`): one pytest-xdist worker runs them all, training once.
-pytestmark = pytest.mark.xdist_group("snapshot-cli")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     url = tmp_path_factory.mktemp("trained") / "snapshots"
