@@ -28,6 +28,48 @@ SLOW_FIXTURES = {
 
 # Their tests install Debian packages (apt-get takes one at a time) or start the machine's one slurmctld.
 DEBIAN_SERVER_MODULES = {"test_elastic", "test_launch_slurm", "test_metrics", "test_launch_monitoring"}
+# Their tests share a module fixture that trains or builds (a trained store, the built site): one worker runs
+# them all, so it is made once.
+ONE_WORKER_MODULES = {"test_snapshot_cli", "test_docs"}
+# Their parametrized tests share a module fixture per parameter (test_examples: each example's unbroken run):
+# one worker runs the tests of one parameter.
+ONE_WORKER_PER_PARAM_MODULES = {"test_examples"}
+
+
+def xdist_group(nodeid: str) -> str:
+    """The pytest-xdist work unit a test belongs to: the tests of one group run on one worker, in turn.
+
+    A test of none of the groups above is a unit of its own (any worker takes it). An `xdist_group` mark counts
+    where xdist could add it to the node id (`...@name`, with pytest before 9): put a new group in the sets above."""
+    if "@" in nodeid.rsplit("]", 1)[-1]:
+        return nodeid.rsplit("@", 1)[1]
+    path, _, rest = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1].removesuffix(".py")
+    if module in DEBIAN_SERVER_MODULES:
+        return "debian-servers"
+    if module in ONE_WORKER_MODULES:
+        return path
+    if module in ONE_WORKER_PER_PARAM_MODULES and rest.endswith("]"):
+        return path + "[" + rest.split("[", 1)[1]
+    return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the groups of xdist_group() above, read from node ids by the controller.
+
+    xdist's own loadgroup reads `xdist_group` marks, which workers pass on by renaming each test's node id;
+    pytest 9 keeps the id elsewhere, so under pytest 9.2 and xdist 3.8 every mark was silently dropped and a
+    group's tests ran on both workers at once (two SLURM clusters on one machine's ports)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return Groups(config, log)
 
 
 def pytest_collection_modifyitems(items):
@@ -35,8 +77,6 @@ def pytest_collection_modifyitems(items):
     `torchrun` or `slow` marker, or a fixture of SLOW_FIXTURES); every other test is `fast`. `python -m pytest
     -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier."""
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in DEBIAN_SERVER_MODULES:
-            item.add_marker(pytest.mark.xdist_group("debian-servers"))  # one xdist worker runs them all, in turn
         if item.get_closest_marker("torchrun") or not SLOW_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.slow)
         if not item.get_closest_marker("slow"):
@@ -93,7 +133,12 @@ def parse_job(output: str) -> JobResult:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-    """One unbroken run of the traced test job (tests/helpers/jobs.py): what every faulted run must equal."""
-    from tests.helpers.jobs import run_reference
+    """One unbroken run of the traced test job (tests/helpers/jobs.py): what every faulted run must equal.
 
-    return run_reference(tmp_path_factory.mktemp("reference"))
+    Run once per suite, not once per pytest-xdist worker: the first worker to ask runs it in the
+    directory the workers share, the others wait for it and read what it left (tests/helpers/jobs.py)."""
+    from tests.helpers.jobs import shared_reference
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # no xdist: this process is the only one that asks
+        return shared_reference(tmp_path_factory.mktemp("reference"))
+    return shared_reference(tmp_path_factory.getbasetemp().parent / "reference")

@@ -121,7 +121,7 @@ class NodeGroup:
         deadline = time.monotonic() + timeout_s
         while True:
             for agent in self.agents.values():
-                agent.refresh()
+                agent.track()
             codes = {index: agent.proc.poll() for index, agent in sorted(self.agents.items())}
             if None not in codes.values():
                 return codes

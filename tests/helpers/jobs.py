@@ -7,9 +7,13 @@ restored, the very same samples on each rank in the same order.
 
 from __future__ import annotations
 
+import pickle
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from tests.conftest import job_env, parse_job, python_command, torchrun_command, JobResult
 from tests.helpers import procs
@@ -65,3 +69,20 @@ def run_reference(workdir: Path) -> Reference:
     traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
     assert all(len(t) == 1 for t in traces.values())
     return Reference(parse_job(job.output()), {rank: t[0] for rank, t in traces.items()}, workdir)
+
+
+def shared_reference(workdir: Path) -> Reference:
+    """The reference run in ``workdir``, run by the first process to ask; later ones (other xdist workers) read it.
+
+    The lock is held for the whole run, so a second asker waits for the first one's job instead of
+    starting its own. A run that failed left no result: the next asker runs it again, in a directory of
+    its own (a failed run's snapshots must not be resumed), and fails the same way.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    result_path = workdir / "reference.pickle"
+    with FileLock(str(workdir / "reference.lock")):
+        if result_path.exists():
+            return pickle.loads(result_path.read_bytes())
+        reference = run_reference(Path(tempfile.mkdtemp(prefix="run-", dir=workdir)))
+        result_path.write_bytes(pickle.dumps(reference))
+        return reference
