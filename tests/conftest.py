@@ -30,7 +30,7 @@ SLOW_FIXTURES = {
 DEBIAN_SERVER_MODULES = {"test_elastic", "test_launch_slurm", "test_metrics", "test_launch_monitoring"}
 # Their tests share a module fixture that trains or builds (a trained store, the built site): one worker runs
 # them all, so it is made once.
-ONE_WORKER_MODULES = {"test_snapshot_cli", "test_docs"}
+ONE_WORKER_MODULES = {"test_snapshot_cli", "test_docs", "test_self_healing", "test_tracking"}
 # Their parametrized tests share a module fixture per parameter (test_examples: each example's unbroken run):
 # one worker runs the tests of one parameter.
 ONE_WORKER_PER_PARAM_MODULES = {"test_examples"}
