@@ -206,8 +206,8 @@ class Anomalies:
         return False
 
     def loss(self, value: Any, step: int) -> None:
-        """A rank's own loss of ``step``: a non-finite one is raised for the vote (rollback mode)."""
-        if self.cfg.policy != "rollback" or step in self.record.skipped_steps:
+        """A rank's own loss of ``step`` (None: not logged): a non-finite one is raised for the vote (rollback mode)."""
+        if value is None or self.cfg.policy != "rollback" or step in self.record.skipped_steps:
             return
         number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if math.isfinite(number):
@@ -222,8 +222,7 @@ class Anomalies:
         that broke them (an anomaly the cheaper checks let through) is rolled back instead of saved."""
         if self.cfg.policy != "rollback" or self.pending is not None:
             return
-        tensors = [p.detach() for p in parameters]
-        if tensors and not math.isfinite(float(torch.stack(torch._foreach_norm(tensors, 2.0)).sum())):
+        if not math.isfinite(norm_of([p.detach() for p in parameters])):
             self.pending = Sighting(step, math.nan, "weights", self.host)
 
     def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
@@ -296,6 +295,12 @@ class Anomalies:
                 "set anomaly.policy=skip, or fix the data or the learning rate"
             )
         return verdict
+
+    def nothing_to_roll_back_to(self, verdict: Verdict) -> AnomalyError:
+        """ROLLBACK found no snapshot (an anomaly before the first one): the one line to stop with."""
+        return AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
+                            "to roll back to yet: training stopped; take snapshots more often "
+                            "(snapshot.local.every_steps), or set anomaly.policy=skip")
 
     def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
         """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
@@ -373,12 +378,16 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     the gradients and one host read. ``get_total_norm``'s grouping by device and dtype costs ~4x more per call
     than the norm itself for a small model; its result is what clipping uses, so with clipping on the loop
     checks that one instead (step_runner.py)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    return norm_of([p.grad for p in parameters if p.grad is not None])
+
+
+def norm_of(tensors: list[torch.Tensor]) -> float:
+    """The 2-norm of all ``tensors`` together, as a Python float (0.0 for none)."""
+    if not tensors:
         return 0.0
-    if len({(g.device, g.dtype) for g in grads}) > 1:
-        return float(torch.nn.utils.get_total_norm(grads, 2.0))
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
+    if len({(t.device, t.dtype) for t in tensors}) > 1:  # one foreach call takes one device and dtype
+        return float(torch.nn.utils.get_total_norm(tensors, 2.0))
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0))))
 
 
 def _what(kind: str, value: float, spike: bool, cfg: AnomalyConfig) -> str:

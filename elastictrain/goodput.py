@@ -92,7 +92,6 @@ class Goodput(Observer):
         """The replay of a rollback (anomalies.py) re-trains steps this attempt had reached: recompute."""
         with self._lock:
             self._high_water_step = max(self._high_water_step, from_step)
-            self._step = to_step
 
     def stepped(self, step: int) -> None:
         """An optimizer step is done (called by the loop at every step: a clock read, a store write a second)."""

@@ -33,7 +33,7 @@ from . import ddp, dist, failpoints, launch_env
 from .anomalies import grad_norm
 from .config import Config, load_config
 from .data import Shard
-from .errors import AnomalyError, ConfigError, UsageError
+from .errors import ConfigError, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
@@ -243,8 +243,7 @@ class Session:
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
         ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
-        if "loss" in values and self.anomalies.active:
-            self.anomalies.loss(values["loss"], self.global_step + 1)
+        self.anomalies.loss(values.get("loss"), self.global_step + 1)
         self.metrics.add(samples, values)
 
     def gradients_ok(self, parameters: Any = None, *, norm: float | None = None) -> bool:
@@ -277,8 +276,7 @@ class Session:
         self._training("step")
         data = self._data
         if self.anomalies.active:
-            if "loss" in values:
-                self.anomalies.loss(values["loss"], self.global_step + 1)
+            self.anomalies.loss(values.get("loss"), self.global_step + 1)
             self.anomalies.stepped(self.global_step + 1, data.step_samples if data is not None else lambda: None)
         if data is not None:
             taken = data.take()
@@ -381,9 +379,7 @@ class Session:
         samples = self.anomalies.replayed_samples if verdict.action == "data" else None
         restored = self.tiers.roll_back(ROLLBACK_KEEPS)
         if restored is None:
-            raise AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {verdict.value:.6g}) and no snapshot to roll "
-                               "back to yet: training stopped; take snapshots more often (snapshot.local.every_steps), "
-                               "or set anomaly.policy=skip")
+            raise self.anomalies.nothing_to_roll_back_to(verdict)
         self.metrics.discard()
         # The skip list first: the data reopens with it.
         self.anomalies.rolled_back(verdict, samples, restored.step, self.shard.batch_size)
