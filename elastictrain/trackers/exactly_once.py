@@ -63,6 +63,10 @@ class Tracking(Observer):
         self.cursor = 0
         self._each("start", lambda backend: self._start(backend, step))
 
+    def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
+        # ROLLBACK (anomalies.py) put back an older history: read it from the start too, skipping what is stored.
+        self.cursor = 0
+
     def snapshotted(self, report: SnapshotReport) -> None:
         if report.committed:
             self._write_through(report.step)
