@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+from types import SimpleNamespace
+
 import pytest
 
 from elastictrain import ConfigError, Trainer, seed_everything
@@ -138,33 +140,37 @@ def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_sa
     assert reports.background == {"durable": {True}, "local": {fast_in_background}}
 
 
-@pytest.mark.slow
-def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path):
-    """A job that fails more often than snapshot.durable.every_s still gets durable snapshots: a restart
-    restored from a fast copy does not start the durable timer again."""
+def two_hours_later(monkeypatch) -> None:
+    """The tiers' wall clock two hours on (their monotonic clock as it is): whatever the load, snapshot.durable.every_s
+    below (one hour) has passed since the first attempt, and never passes within one."""
     import time
 
+    monkeypatch.setattr("elastictrain.tiers.time", SimpleNamespace(time=lambda: time.time() + 7200.0,
+                                                                   monotonic=time.monotonic))
+
+
+def test_timed_durable_snapshots_count_from_the_newest_durable_one_across_restarts(tmp_path, monkeypatch):
+    """A job that fails more often than snapshot.durable.every_s still gets durable snapshots: a restart
+    restored from a fast copy does not start the durable timer again."""
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
         trainer(tmp_path, durable, raise_at=27).fit()
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [10, 20]
-    time.sleep(2.5)  # the durable store's newest (step 20) is now older than the interval below
-    resumed = trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=2.0)
+    two_hours_later(monkeypatch)  # the durable store's newest (step 20) is now older than the interval below
+    resumed = trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=3600.0)
     resumed.fit()
     # Restored from the fast copy at 24 with the durable timer already due: the restored step goes
     # to the durable store at once. Counted from the restart instead, the next durable snapshot
-    # would be 2 s of ~ms steps away: none before the final one at 40.
+    # would be an hour away: none before the final one at 40.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [20, 24, 40]
 
 
-def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store_has_none(tmp_path):
-    import time
-
+def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store_has_none(tmp_path, monkeypatch):
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
-        trainer(tmp_path, durable, raise_at=27, every_steps=0, every_s=2.0).fit()
+        trainer(tmp_path, durable, raise_at=27, every_steps=0, every_s=3600.0).fit()
     assert SnapshotStore(durable).list_snapshots() == []  # every attempt ended before the interval
-    time.sleep(2.5)
-    trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=2.0).fit()
-    # The run started over 2 s ago: the restored fast copy (step 24) goes to the durable store at once.
+    two_hours_later(monkeypatch)
+    trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=3600.0).fit()
+    # The run started over an hour ago: the restored fast copy (step 24) goes to the durable store at once.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [24, 40]
