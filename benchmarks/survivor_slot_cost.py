@@ -59,8 +59,9 @@ def main() -> None:
         cfg = load_config(None, [f"snapshot.local.url={root}"])
         ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0, round_id="r")
         progress, history, sums = Progress(), History(), WeightedSums(CPU)
-        fast = Snapshotter(cfg, ctx, model, {"progress": progress, "history": history}, tier="local")
-        copies = SurvivorCopies(fast, 2, "r", progress, history, fast.rank_state, sums.pending)
+        fast = Snapshotter(cfg, ctx, model, {"progress": progress, "history": history}, tier="local",
+                           rank_statefuls={"train_sums": sums})
+        copies = SurvivorCopies(fast, 2, "r", progress, history, fast.rank_state_now)
         copies.open()
         for _ in range(25):
             sums.add(32, {"loss": torch.tensor(1.0), "accuracy": torch.tensor(0.5)})

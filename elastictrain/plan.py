@@ -36,6 +36,11 @@ class Plan:
                    snapshot.durable.every_steps, snapshot.durable.on_done, snapshot.local.every_steps if fast_tier else 0)
 
 
+def run_finished(progress: Progress, plan: Plan) -> bool:
+    """Every epoch (or train.max_steps) is trained: what is left is the end's evaluation and snapshot."""
+    return progress.epoch >= plan.max_epochs or (plan.max_steps is not None and progress.global_step >= plan.max_steps)
+
+
 def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> State:
     """What follows RESTORE, TRAIN, EVALUATE, SNAPSHOT or ROLLBACK, given where training is and what the ranks asked for."""
     # ``last_snapshot_step`` is the step of the last snapshot *taken*, committed or not: a
@@ -47,9 +52,7 @@ def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> S
     if requests.preempt:
         # Stop with nothing lost: a snapshot of this very step first (none is needed at step 0).
         return State.PREEMPTED if snapshot_taken or progress.global_step == 0 else State.SNAPSHOT
-    finished = progress.epoch >= plan.max_epochs or (
-        plan.max_steps is not None and progress.global_step >= plan.max_steps
-    )
+    finished = run_finished(progress, plan)
     at_epoch_end = progress.epoch_offset == 0 and progress.global_step > 0
     eval_due = (
         plan.has_val_data

@@ -29,12 +29,17 @@ class WeightedSums:
         self.names: list[str] | None = None
         self._values: list[Any] = []  # len(names) values per step, step after step
         self._samples: list[int] = []
-        self._folded: tuple[int, list[float]] = (0, [])  # ``pending``'s sums so far: (steps folded, sums)
+        self._floats: list[float] = []  # ``_values`` read so far, as floats (``state_dict`` reads only the new ones)
         self._agreed = False  # whether every rank's names were found equal to ours
 
     @property
     def count(self) -> int:
         return sum(self._samples)
+
+    @property
+    def steps(self) -> int:
+        """Steps added since the last reduce (every rank adds in the same steps, so every rank has the same)."""
+        return len(self._samples)
 
     def add(self, samples: int, values: dict[str, Any]) -> None:
         if self.names is None:
@@ -46,27 +51,36 @@ class WeightedSums:
         self._values.extend(v.detach() if isinstance(v, torch.Tensor) else v for v in (values[n] for n in self.names))
         self._samples.append(samples)
 
-    def pending(self) -> tuple[list[str], list[float], int] | None:
-        """This rank's float64 sums since the last reduce, and their sample count; None off the CPU.
+    # A rank's values since the last reduce are training state: a snapshot between two log steps holds them, so the
+    # restored run reduces, at the next log step, exactly what an unbroken one does (no partial record at the
+    # snapshot's step). Each value as a float: float32 and float64 both survive a python float exactly.
 
-        Called at every step (survivor copies), so it folds in only the steps added since its last
-        call. On an accelerator, reading a value would make the host wait for the device at every step.
-        """
-        if self.device.type != "cpu":
-            return None
-        names = self.names or []
-        folded, sums = self._folded
-        sums = sums or [0.0] * len(names)
-        for step in range(folded, len(self._samples)):
-            weight = self._samples[step]
-            row = self._values[step * len(names):(step + 1) * len(names)]
-            sums = [total + weight * float(value) for total, value in zip(sums, row)]
-        self._folded = (len(self._samples), sums)
-        return names, list(sums), self.count
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's values since the last reduce; reads only those added since its last call (marks call it at
+        every step). Reading a value on an accelerator waits for the device: ``peek`` is the per-step form."""
+        self._floats.extend(float(value) for value in self._values[len(self._floats):])
+        return {"names": self.names, "values": list(self._floats), "samples": list(self._samples)}
+
+    def peek(self) -> dict[str, Any] | None:
+        """``state_dict`` where reading is free (the CPU), else None."""
+        return self.state_dict() if self.device.type == "cpu" else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.names = state["names"]
+        self._values, self._samples = list(state["values"]), list(state["samples"])
+        self._floats = list(state["values"])
+
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Another world size: rank 0 takes every saved rank's steps (the reduced means are the same up to the
+        order of the sums), the others a step of no samples, so every rank holds steps as every rank reduces."""
+        names = next((state["names"] for state in states if state["names"] is not None), None)
+        values = [value for state in states for value in state["values"]] if rank == 0 else [0.0] * len(names or [])
+        samples = [count for state in states for count in state["samples"]] if rank == 0 else [0]
+        self.load_state_dict({"names": names, "values": values, "samples": samples if names is not None else []})
 
     def discard(self) -> None:
         """Forget the values since the last reduce (a rollback replays their steps)."""
-        self._values, self._samples, self._folded = [], [], (0, [])
+        self._values, self._samples, self._floats = [], [], []
 
     def reduce(self, ctx: DistContext, flags: list[float] = ()) -> tuple[dict[str, float], list[float]]:
         """Sample-weighted means over all ranks since the last reduce, and the flags summed over ranks."""
@@ -75,8 +89,11 @@ class WeightedSums:
             self._agreed = True
         names = self.names or []
         if self._samples:
-            values = torch.stack([torch.as_tensor(v, device=self.device).reshape(()) for v in self._values])
-            per_step = values.to(torch.float64).reshape(len(self._samples), len(names))
+            # Each value in float64 on its own: a python float is not rounded to the default dtype first (a restored
+            # value is a python float, and must reduce to what the tensor it was read from does).
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
+                                  for v in self._values])
+            per_step = values.reshape(len(self._samples), len(names))
             weights = torch.tensor(self._samples, dtype=torch.float64, device=self.device)
             sums = weights @ per_step
         else:
@@ -84,7 +101,7 @@ class WeightedSums:
         extra = torch.tensor([float(self.count), *flags], dtype=torch.float64, device=self.device)
         total = all_reduce_sum(torch.cat([sums, extra]), ctx).tolist()
         count = total[len(names)]
-        self._values, self._samples, self._folded = [], [], (0, [])
+        self.discard()
         means = {name: total[i] / count for i, name in enumerate(names)} if count else {}
         return means, total[len(names) + 1 :]
 

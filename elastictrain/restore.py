@@ -124,13 +124,19 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
     progress = target.statefuls["progress"]
     saved_env = state["env"]
     for name, component in target.rank_statefuls.items():
+        saved_ranks = state.get("rank_states", {}).get(name)
+        if saved_ranks is None:  # an older snapshot: it reduced its metric sums when it was taken
+            continue
+        if saved_env["world_size"] != target.ctx.world_size and hasattr(component, "load_resharded"):
+            component.load_resharded(saved_ranks, target.ctx.rank, target.ctx.world_size)
+            continue
         if saved_env["world_size"] != target.ctx.world_size:
             raise SnapshotError(
                 f"{where} was taken with world size {saved_env['world_size']}, this run has {target.ctx.world_size}, "
                 f"and {name} is a stream whose per-rank positions cannot be re-sharded; resume with "
                 f"{saved_env['world_size']} workers, or use a map-style Dataset to change the world size"
             )
-        component.load_state_dict(state["rank_states"][name][target.ctx.rank])
+        component.load_state_dict(saved_ranks[target.ctx.rank])
     if saved_env["world_size"] == target.ctx.world_size:
         restore_rng(state["rng"][target.ctx.rank], target.ctx.device)
     elif target.cfg.train.virtual_shards:

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from . import ddp, dist, failpoints, launch_env
 from .anomalies import grad_norm
+from .collectives import broadcast_from_main
 from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, UsageError
@@ -45,7 +46,7 @@ from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
 from .summary import RunSummary, attach_reporters, summarize
-from .plan import Plan, decide
+from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
 from .tiers import SnapshotTiers
 from .train_metrics import TrainMetrics
@@ -198,8 +199,9 @@ class Session:
             survivors_refused = "no optimizer is registered, so a copy cannot tell a step half done"
         self.tiers = SnapshotTiers(
             self.cfg, self.ctx, model, {**self.registry.statefuls(), **self.state.statefuls()}, self.state, self.events,
-            train_samples=data.samples if data else None, rank_statefuls=data.rank_statefuls if data else {},
-            pending_sums=self.metrics.sums.pending, survivors_refused=survivors_refused)
+            train_samples=data.samples if data else None,
+            rank_statefuls={**(data.rank_statefuls if data else {}), "train_sums": self.metrics.sums},
+            survivors_refused=survivors_refused)
         self.plan = Plan.of(self.cfg, epochs=data is not None, evaluates=self._evaluate is not None,
                             fast_tier=self.tiers.local is not None)
         ctx = self.ctx
@@ -222,6 +224,8 @@ class Session:
             launcher=ctx.env.launcher, started_unix=self._started_unix, restored=restored is not None,
         )
         self.events.restored(self.global_step, restored.duration_s if restored else 0.0, restored is not None)
+        if self.cfg.track.mlflow_uri:  # rank 0's tracker run, in every rank's copies (a fast copy from any node)
+            self.state.tracking.mlflow_run_id = broadcast_from_main(self.state.tracking.mlflow_run_id, ctx)
         if ctx.is_main:
             log.info("%s", self.state.threads.report())
         self.tiers.begin(self._started_unix)
@@ -322,7 +326,9 @@ class Session:
             # Leave TRAIN with nothing in flight and everything every rank asked for; never save non-finite weights.
             self.anomalies.weights(self.model.parameters(), step)
             state = self._next_state(requests | self.health.settle(self.tiers, step))
-            if self.metrics.pending and state is not State.ROLLBACK:  # a rollback replays the values instead
+            # The run's end reduces what is left; a snapshot or a stop between two log steps holds each rank's sums
+            # instead, so the history has a record at the log steps alone, as an unbroken run's (trackers show it).
+            if self.metrics.pending and state is not State.ROLLBACK and run_finished(self.state.progress, self.plan):
                 self._reduce_train_metrics()
             self._run(state)
         self._step_started = time.perf_counter()
@@ -377,10 +383,11 @@ class Session:
         rolled_from, started = self.global_step, time.monotonic()
         verdict = self.anomalies.agree()
         samples = self.anomalies.replayed_samples if verdict.action == "data" else None
+        self.metrics.discard()  # the snapshot holds its own step's sums
         restored = self.tiers.roll_back(ROLLBACK_KEEPS)
         if restored is None:
             raise self.anomalies.nothing_to_roll_back_to(verdict)
-        self.metrics.discard()
+        self.metrics.begin()
         # The skip list first: the data reopens with it.
         self.anomalies.rolled_back(verdict, samples, restored.step, self.shard.batch_size)
         if self._data is not None:
@@ -432,7 +439,7 @@ class Session:
         if lost is not None:
             self._peer_lost = True
             if self.tiers is not None and state is State.TRAIN and self.anomalies.pending is None:
-                self.tiers.write_survivor_copy(self.metrics.record, self._meta(), self._rank_label,
+                self.tiers.write_survivor_copy(self._meta(), self._rank_label,
                                                time.monotonic() - self._started, self.registry, self._marks_ahead)
         if not self.machine.finished:
             self.machine.transition(State.FAILED, self.global_step)

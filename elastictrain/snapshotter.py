@@ -243,8 +243,14 @@ class Snapshotter:
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's share of a snapshot besides its RNG: its streams' positions."""
+        """This rank's share of a snapshot besides its RNG: its streams' positions, its metric sums since the last reduce."""
         return {name: component.state_dict() for name, component in self.rank_statefuls.items()}
+
+    def rank_state_now(self) -> dict[str, Any] | None:
+        """``rank_state`` at every step (survivor copies): None where reading it would wait for the device."""
+        state = {name: component.peek() if hasattr(component, "peek") else component.state_dict()
+                 for name, component in self.rank_statefuls.items()}
+        return None if any(value is None for value in state.values()) else state
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""

@@ -3,8 +3,8 @@
 Under DDP every rank holds the same model, optimizer and progress, and none of them changes
 between the start of a step and its optimizer step: forward and backward only make gradients.
 What differs per rank is small: its RNG state, its stream position (streams only) and its
-not-yet-reduced metric sums. So each rank leaves those in a slot of its own in node memory in
-every step, once the gradients are in and before the optimizer step (nothing per rank changes
+metric values since the last reduce (the copy holds them per rank, as a snapshot does). So each
+rank leaves those in a slot of its own in node memory in every step, once the gradients are in and before the optimizer step (nothing per rank changes
 after that point within the step), and again after every metric reduce (``StepSlots``, about
 12 KB and 0.07 ms), with the step and the length of the metric history they go with. When a peer dies, the survivors'
 next collective fails: in the next step's gradient all-reduce, or in a metric reduce or a vote
@@ -126,15 +126,13 @@ class SurvivorCopies:
     """Marks each step's per-rank state on every rank; after a peer is lost, writes that step's fast copy."""
 
     def __init__(self, fast: Snapshotter, world_size: int, round_id: str, progress: Progress, history: History,
-                 rank_state: Callable[[], dict[str, Any]],
-                 pending_sums: Callable[[], tuple[list[str], list[float], int] | None]) -> None:
+                 rank_state: Callable[[], dict[str, Any] | None]) -> None:
         self.fast = fast
         self.progress = progress  # replicated: the step every slot must name
         self.history = history  # replicated: the metric sums in the slots go with this many records
         self.world_size = world_size
         self.round_id = round_id
-        self.rank_state = rank_state  # this rank's stream positions (streams only)
-        self.pending_sums = pending_sums  # this rank's metric sums since the last reduce (None: unknown)
+        self.rank_state = rank_state  # this rank's stream positions and metric sums (None: not readable at every step)
         ctx = fast.ctx
         self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
         self.marked: tuple[int, int] | None = None  # (step, history length) of this rank's newest slot
@@ -170,15 +168,14 @@ class SurvivorCopies:
         """
         marked = (self.progress.global_step if step is None else step, len(self.history.records))
         self.slots.write({"step": marked[0], "records": marked[1], "round": self.round_id, "rng": _rng_bytes(device),
-                          "rank_state": self.rank_state(), "sums": self.pending_sums()})
+                          "rank_state": self.rank_state()})
         self.marked = marked
 
-    def write(self, complete: Callable[[dict[str, float]], None], meta: dict[str, Any]) -> int | None:
+    def write(self, complete: Callable[[], None], meta: dict[str, Any]) -> int | None:
         """A peer was lost while training: write this step's copy if this rank is the node's lowest survivor and
         every slot agrees with its progress and history; returns the step written.
 
-        ``complete`` receives the sample-weighted means of every rank's metric sums (empty when
-        unknown or none) and records what a snapshot of this step would hold besides the state.
+        ``complete`` records what a snapshot of this step would hold besides the state.
         """
         step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records))
         if self.marked != live:
@@ -195,10 +192,11 @@ class SurvivorCopies:
                      "instead; the restart reads the newest fast copy", step, ",".join(map(str, differ)),
                      ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()))
             return None
-        sums = [r["sums"] for r in records]
-        count = sum(s[2] for s in sums) if all(s is not None for s in sums) else 0
-        names = sums[0][0] if count else []
-        complete({name: sum(s[1][i] for s in sums) / count for i, name in enumerate(names)})
+        if any(r["rank_state"] is None for r in records):
+            log.info("no survivor copy of step %d: the metric sums on %s are not read at every step; the restart "
+                     "reads the newest fast copy", step, self.fast.ctx.device.type)
+            return None
+        complete()
         rank_states = [{"rng": _rng_from_bytes(r["rng"]), **r["rank_state"]} for r in records]
         report = self.fast.save_survivor(step, rank_states, {**meta, "survivor": True})
         if report is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
@@ -32,7 +32,7 @@ log = logging.getLogger("elastictrain")
 class SnapshotTiers:
     def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any], state: RunState,
                  events: Observers, *, train_samples: int | None, rank_statefuls: dict[str, Any],
-                 pending_sums: Callable[[], Any], survivors_refused: str | None = None) -> None:
+                 survivors_refused: str | None = None) -> None:
         self.cfg, self.ctx, self.state, self.events = cfg, ctx, state, events
         self.durable = Snapshotter(cfg, ctx, model, statefuls, train_samples=train_samples, rank_statefuls=rank_statefuls)
         self.local = Snapshotter(cfg, ctx, model, statefuls, train_samples, rank_statefuls,
@@ -49,7 +49,7 @@ class SnapshotTiers:
             why_not = survivors_refused or SurvivorCopies.applies(self.local, model, ctx.world_size, local_world)
             if why_not is None:
                 self.survivors = SurvivorCopies(self.local, ctx.world_size, ctx.round_id, state.progress,
-                                                state.history, self.durable.rank_state, pending_sums)
+                                                state.history, self.durable.rank_state_now)
             elif ctx.is_main:
                 log.info("no survivor copies (snapshot.local.survivor_copies): %s", why_not)
         self._last_durable = time.monotonic()
@@ -138,7 +138,7 @@ class SnapshotTiers:
             self.survivors.mark(self.ctx.device, step=step)
             registry.optimizer_steps = 0  # counted from here: a copy of this step refuses half a step
 
-    def write_survivor_copy(self, record: Callable[[dict[str, float]], Any], meta: dict[str, Any], rank: str,
+    def write_survivor_copy(self, meta: dict[str, Any], rank: str,
                             wall_s: float, registry: Registry, marked_ahead: bool) -> None:
         """A peer died while training: the node's lowest survivor writes the last step every rank completed.
 
@@ -151,9 +151,7 @@ class SnapshotTiers:
                      "the restart reads the newest fast copy", self.state.progress.global_step)
             return
 
-        def complete(means: dict[str, float]) -> None:  # what a snapshot of this step would have recorded
-            if means:
-                record(means)
+        def complete() -> None:  # what a snapshot of this step would have recorded
             self.state.progress.last_local_snapshot_step = self.state.progress.global_step
             self.state.run_log.current["wall_s"] = wall_s
             self.state.run_log.current["survivor_copy"] = 1  # its failure lost no work: cadence.py does not count it

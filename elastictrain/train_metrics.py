@@ -39,9 +39,8 @@ class TrainMetrics:
         self.interval = _Interval(self.run.progress.global_step, time.monotonic())
 
     def discard(self) -> None:
-        """ROLLBACK: the values since the last reduce are replayed; the interval starts at the restored step."""
+        """ROLLBACK, before the restore: the values since the last reduce are replayed (the snapshot restores its own)."""
         self.sums.discard()
-        self.begin()
 
     def add(self, samples: int, values: dict[str, Any]) -> None:
         self.sums.add(samples, values)
@@ -51,7 +50,7 @@ class TrainMetrics:
 
     @property
     def pending(self) -> bool:
-        return self.sums.count > 0
+        return self.sums.steps > 0
 
     def reduce(self, samples_per_step: int) -> None:
         interval, now, step = self.interval, time.monotonic(), self.run.progress.global_step

@@ -30,6 +30,7 @@ from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.etcd import EtcdServer
 from tests.helpers.tasks import read_traces
+from tests.helpers.tracked import once_each, series_of, tensorboard_points
 
 pytestmark = pytest.mark.torchrun
 
@@ -107,7 +108,8 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
 
 @pytest.fixture(scope="module")
 def elastic_run(tmp_path_factory):
-    return run_shrink_and_grow(tmp_path_factory.mktemp("elastic"))
+    pytest.importorskip("tensorboard")
+    return run_shrink_and_grow(tmp_path_factory.mktemp("elastic"), extra=["track.tensorboard=true"])
 
 
 def attempts(workdir: Path) -> list[tuple[int, int, int]]:
@@ -131,6 +133,18 @@ def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(elastic_run):
     assert [restart for restart, _ in rounds] == ["0", "1"] and rounds[0][1] != rounds[1][1]
     summary = elastic_run.result.summary
     assert (summary["state"], summary["world_size"], summary["step"]) == ("DONE", "2", str(STEPS))
+
+
+def test_the_tracker_has_each_log_step_once_across_the_shrink_and_the_grow(elastic_run):
+    # Step 25's snapshot (world 2) holds each rank's metric values of steps 21-25; the world of one restores them
+    # (rank 0 takes both ranks') and reduces them at step 30 with its own: no record at 25, none twice.
+    series = series_of(tensorboard_points(elastic_run.workdir / "run" / "tensorboard"))
+    series.pop("elastictrain/restart")
+    once_each(series)
+    log_steps = sorted({*range(10, STEPS + 1, 10), STEPS_PER_EPOCH, STEPS})
+    assert {name: [step for step, _ in points] for name, points in series.items()} == {
+        **{name: log_steps for name in ("lr", "train_accuracy", "train_loss")},
+        **{name: [STEPS_PER_EPOCH, STEPS] for name in ("val_accuracy", "val_loss")}}
 
 
 def test_every_step_across_the_shrink_and_the_grow_trains_the_samples_of_one_clean_pass(elastic_run):
@@ -193,11 +207,13 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
 
     With the fast tier on, each node keeps its own copies (here ``shm-node<GROUP_RANK>``). Node 0
     is lost with its memory; the job is relaunched on both nodes, and node 1's copy of step 35,
-    newer than the durable step 25, is sent to rank 0.
+    newer than the durable step 25, is sent to rank 0. Node 1's copies, written by rank 1, carry the
+    MLflow run rank 0 opened (a local MLflow store): the relaunch goes on in that run, not a new one.
     """
+    mlflow = pytest.importorskip("mlflow")
     (tmp_path / "trace").mkdir()
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
-                 f"task.args.pauses=[[0,{KILL_STEP}]]",
+                 f"task.args.pauses=[[0,{KILL_STEP}]]", f"track.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
                  f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local.every_steps=5"]
     nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
     nodes.launch(0, host_store=True)
@@ -220,3 +236,6 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     assert parse_job(output).summary["step"] == str(STEPS)
     assert not (tmp_path / "shm-node1" / "default").exists(), "DONE gives each node's memory back"
     assert nodes.leftover_pids() == []
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert len(runs) == 1, f"one MLflow run across the lost node and the relaunch, found {len(runs)}"

@@ -74,17 +74,33 @@ def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
         holder.wait(10)
 
 
-def test_pending_sums_fold_each_step_once_and_start_over_after_a_reduce():
+def test_a_ranks_sums_read_each_value_once_and_round_trip_into_the_same_reduce():
     sums = WeightedSums(CPU)
-    sums.add(4, {"loss": torch.tensor(1.0), "acc": torch.tensor(0.5)})
-    assert sums.pending() == (["acc", "loss"], [2.0, 4.0], 4)
-    sums.add(2, {"loss": torch.tensor(3.0), "acc": torch.tensor(0.25)})
-    assert sums.pending() == (["acc", "loss"], [2.5, 10.0], 6)
-    assert sums.pending() == (["acc", "loss"], [2.5, 10.0], 6)  # asked again: nothing folded twice
-    means, _ = sums.reduce(DistContext(LaunchEnv("none"), False, CPU, None, 60.0))
-    assert means == {"acc": 2.5 / 6, "loss": 10.0 / 6}
-    assert sums.pending() == (["acc", "loss"], [0.0, 0.0], 0)
-    assert WeightedSums(torch.device("meta")).pending() is None  # off the CPU a read would wait for the device
+    sums.add(4, {"loss": torch.tensor(1.0), "acc": 0.123456789})  # a python float is not rounded to float32
+    assert sums.state_dict() == {"names": ["acc", "loss"], "values": [0.123456789, 1.0], "samples": [4]}
+    sums.add(2, {"loss": torch.tensor(0.1, dtype=torch.float32), "acc": torch.tensor(0.25, dtype=torch.float64)})
+    sums._values[0] = "read already"  # read once: the next call reads only what was added since
+    state = sums.state_dict()
+    assert state["values"] == [0.123456789, 1.0, 0.25, float(torch.tensor(0.1))] and state["samples"] == [4, 2]
+    sums._values[0] = 0.123456789
+    restored = WeightedSums(CPU)
+    restored.load_state_dict(state)
+    single = DistContext(LaunchEnv("none"), False, CPU, None, 60.0)
+    assert restored.reduce(single) == sums.reduce(single)  # bitwise: the same float64 sums of the same values
+    assert sums.state_dict() == {"names": ["acc", "loss"], "values": [], "samples": []} and sums.steps == 0
+    assert WeightedSums(torch.device("meta")).peek() is None  # off the CPU a read at every step would wait for the device
+
+
+def test_sums_taken_at_another_world_size_go_to_rank_0_and_every_rank_holds_a_step():
+    saved = [{"names": ["loss"], "values": [1.0, 2.0], "samples": [3, 3]}, {"names": ["loss"], "values": [4.0], "samples": [1]}]
+    zero, other = WeightedSums(CPU), WeightedSums(CPU)
+    zero.load_resharded(saved, 0, 3)
+    other.load_resharded(saved, 2, 3)
+    assert zero.state_dict() == {"names": ["loss"], "values": [1.0, 2.0, 4.0], "samples": [3, 3, 1]}
+    assert other.state_dict() == {"names": ["loss"], "values": [0.0], "samples": [0]} and other.steps == 1
+    empty = WeightedSums(CPU)
+    empty.load_resharded([{"names": None, "values": [], "samples": []}] * 2, 1, 3)
+    assert empty.steps == 0 and empty.names is None
 
 
 def test_rng_states_survive_the_slot_form_exactly():
@@ -109,10 +125,11 @@ class Node:
         self.model = torch.nn.Linear(4, 2)
         self.progress = Progress()
         self.history = History()
-        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress, "history": self.history}, tier="local")
-        self.store = SnapshotStore(fast.url)
         self.sums = WeightedSums(CPU)
-        self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state, self.sums.pending)
+        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress, "history": self.history}, tier="local",
+                           rank_statefuls={"train_sums": self.sums})
+        self.store = SnapshotStore(fast.url)
+        self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state_now)
         self.copies.open()
         self.peer = StepSlots(self.copies.slots.directory, rank=1, local_rank=1)
         self.peer.open()
@@ -123,13 +140,14 @@ class Node:
         self.progress.global_step = step
         self.history.records = [{"step": i} for i in range(records)]
 
-    def peer_marks(self, step: int, records: int = 0, round_id: str = "round-a", count: int = 6) -> None:
+    def peer_marks(self, step: int, records: int = 0, round_id: str = "round-a", readable: bool = True) -> None:
         torch.manual_seed(1234)  # the peer's RNG: another stream than this rank's
-        self.peer.write({"step": step, "records": records, "round": round_id, "rng": _rng_bytes(CPU), "rank_state": {},
-                         "sums": (["loss"], [3.0 * count], count)})
+        sums = {"train_sums": {"names": ["loss"], "values": [3.0, 5.0], "samples": [2, 4]}}
+        self.peer.write({"step": step, "records": records, "round": round_id, "rng": _rng_bytes(CPU),
+                         "rank_state": sums if readable else None})
 
     def write(self):
-        return self.copies.write(self.completed.append, {"epoch": 0, "epoch_offset": 0, "world_size": 2})
+        return self.copies.write(lambda: self.completed.append(True), {"epoch": 0, "epoch_offset": 0, "world_size": 2})
 
     def steps(self) -> list[int]:
         return [s.step for s in self.store.list_snapshots() if s.manifest is not None]
@@ -146,7 +164,7 @@ def node(tmp_path):
     n.close()
 
 
-def test_the_copy_holds_the_survivors_model_every_ranks_rng_and_the_means_of_every_ranks_sums(node):
+def test_the_copy_holds_the_survivors_model_and_every_ranks_rng_and_metric_sums(node):
     node.sums.add(2, {"loss": torch.tensor(1.0)})
     node.at(7, records=1)
     node.copies.mark(CPU)
@@ -162,7 +180,17 @@ def test_the_copy_holds_the_survivors_model_every_ranks_rng_and_the_means_of_eve
     state = load_object(listing[1]["state.pt"], "copy")
     assert torch.equal(state["rng"][1]["torch"], peer_rng), "the dead rank's RNG comes from its slot"
     assert torch.equal(load_object(listing[1]["model.pt"], "copy")["weight"], node.model.weight)
-    assert node.completed == [{"loss": (2.0 + 18.0) / 8}]
+    # Each rank's values since the last reduce, as a snapshot holds them: the restart reduces them at the next log step.
+    assert state["rank_states"]["train_sums"] == [{"names": ["loss"], "values": [1.0], "samples": [2]},
+                                                  {"names": ["loss"], "values": [3.0, 5.0], "samples": [2, 4]}]
+    assert node.completed == [True] and len(node.history.records) == 1  # no record of its own at the copy's step
+
+
+def test_no_copy_when_a_slots_sums_could_not_be_read_at_every_step(node):
+    node.at(7)
+    node.copies.mark(CPU)
+    node.peer_marks(7, readable=False)  # a rank on an accelerator: reading its sums each step would wait for it
+    assert node.write() is None and node.steps() == []
 
 
 @pytest.mark.parametrize("why", ["peer-behind", "peer-before-the-reduce", "peer-other-round", "peer-never-wrote",

@@ -26,6 +26,7 @@ from elastictrain.runstate import RunState
 from elastictrain.trackers.exactly_once import Tracking
 from elastictrain.trackers.tensorboard_backend import TensorBoardBackend
 from tests.helpers.mlflow_server import MlflowServer
+from tests.helpers.tracked import once_each, series_of, tensorboard_points
 
 pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")
@@ -33,10 +34,10 @@ pytest.importorskip("tensorboard")
 TIMEOUT_S = 240
 STEPS = 64  # 4 epochs of 16 steps (1024 samples / (16 x 2 ranks x 2 micro-batches))
 MARKER = "elastictrain/restart"
-# Metrics at every step: a preemption's snapshot step then reduces no partial interval (the history of a run
-# preempted between two log steps holds one more record than an unbroken run's; trackers show the history).
+# Metrics every 3 steps, snapshots every 5 and a preemption at step 43 or 44: snapshots and the stop fall between two log
+# steps, where each rank's metric values since the last log step are saved with them (not reduced into a record).
 COMMON = ["log.plots=false", "log.progress_bar=false", "preempt.vote_every_s=0", "snapshot.durable.every_steps=5",
-          "train.log_every_steps=1", "track.tensorboard=true"]
+          "train.log_every_steps=3", "track.tensorboard=true"]
 PAUSED = REPO_ROOT / "tests" / "helpers" / "paused_example.py"
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
@@ -55,19 +56,6 @@ def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = 
                *COMMON]
     env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}
     return procs.launch(command, log_path=workdir / f"{name}.log", env=env, cwd=workdir)
-
-
-def tensorboard_points(directory: Path) -> list[tuple[str, int, float]]:
-    """Every scalar point in the directory's event files, in file order (duplicates kept: no purge)."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    points = []
-    for name in sorted(os.listdir(directory)):
-        for event in EventFileLoader(str(directory / name)).Load():
-            # The loader hands scalars over as float32 tensors of the scalars plugin.
-            points += [(value.tag, event.step, value.tensor.float_val[0]) for value in event.summary.value
-                       if value.metadata.plugin_data.plugin_name == "scalars"]
-    return points
 
 
 def text_tags(directory: Path) -> list[str]:
@@ -89,19 +77,6 @@ def mlflow_run(server: MlflowServer, experiment: str):
     return run, {name: sorted(points) for name, points in series.items()}
 
 
-def series_of(points: list[tuple[str, int, float]]) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    for name, step, value in points:
-        series.setdefault(name, []).append((step, value))
-    return {name: sorted(values) for name, values in series.items()}
-
-
-def once_each(series: dict[str, list[tuple[int, float]]]) -> None:
-    for name, points in series.items():
-        steps = [step for step, _ in points]
-        assert len(steps) == len(set(steps)), f"{name}: a step written twice: {steps}"
-
-
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, mlflow_server):
     workdir = tmp_path_factory.mktemp("unbroken")
@@ -115,25 +90,26 @@ def unbroken(tmp_path_factory, mlflow_server):
 def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_and_summary(unbroken, mlflow_server):
     board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
     assert set(board) == {"train_loss", "train_accuracy", "lr"}  # train_accuracy: the value the example logs
-    assert all([step for step, _ in points] == list(range(1, STEPS + 1)) for points in board.values())
+    log_steps = sorted({*range(3, STEPS + 1, 3), *range(16, STEPS + 1, 16)})  # every 3 steps and each epoch's end
+    assert all([step for step, _ in points] == log_steps for points in board.values()), board
     assert sorted(text_tags(unbroken / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
                                                                    "elastictrain/summary/text_summary"]
     run, series = mlflow_run(mlflow_server, unbroken.name)
     assert set(series) == set(board)
     for name, points in series.items():  # MLflow keeps the float64 that TensorBoard rounds to float32
         assert [(step, float(numpy.float32(value))) for step, value in points] == board[name]
-    assert run.data.params["train.log_every_steps"] == "1" and run.data.params["track.tensorboard"] == "true"
+    assert run.data.params["train.log_every_steps"] == "3" and run.data.params["track.tensorboard"] == "true"
     assert run.info.status == "FINISHED" and run.data.tags["summary.global_step"] == str(STEPS)
 
 
 @pytest.mark.torchrun
 def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step_once(tmp_path, unbroken, mlflow_server):
-    # Random ranks and steps, reproducible (seed 30: rank 1 in step 4, rank 0 in 17, rank 1 in 28, preempted in 47):
+    # Random ranks and steps, reproducible (seed 30: rank 1 in step 4, rank 0 in 17, rank 1 in 28, preempted in 43):
     # the first kill lands before the first snapshot (step 5), so the restarted attempt starts fresh and finds the
     # MLflow run in torchrun's store; the others resume from the snapshot before them and replay steps.
     rng = random.Random(30)
     kills = [(rng.choice((0, 1)), rng.randint(low, low + span)) for low, span in ((2, 2), (14, 8), (28, 8))]
-    preempt_step = rng.randint(44, 50)
+    preempt_step = rng.randint(40, 46)
     pauses = ",".join(f"{rank}@{step}" for rank, step in kills) + f",0@{preempt_step}"
     job = launch(tmp_path, "first", mlflow_server, pauses)
     for rank, step in kills:
@@ -143,7 +119,9 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     job.wait_for(lambda out: f"Sending process {paused} closing signal SIGTERM" in out, TIMEOUT_S, "SIGTERM to rank 0")
     (tmp_path / f"paused-rank0-step{preempt_step}.resume").touch()
     job.wait(TIMEOUT_S)
-    assert len(PREEMPTED.findall(job.output())) == 1, job.output()[-4000:]
+    preempted = [int(step) for step in PREEMPTED.findall(job.output())]
+    assert len(preempted) == 1, job.output()[-4000:]
+    assert preempted[0] % 3 and preempted[0] % 16, f"the stop at step {preempted[0]} must fall between two log steps"
     again = launch(tmp_path, "second", mlflow_server, pauses)
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
     assert parse_job(again.output()).summary["step"] == str(STEPS)
