@@ -37,6 +37,12 @@ def reference(reference_run):
     return reference_run.result, reference_run.traces, final_state
 
 
+def final_history(workdir) -> list[dict]:
+    """The metric history of the run's final snapshot: what the trackers (track.*) write, point by point."""
+    _, objects = SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()
+    return load_object(objects["state.pt"], "final")["history"]["records"]
+
+
 def assert_same_samples(tmp_path, result, ref_traces) -> None:
     """Each rank's batches, stitched at the step every attempt restored, are the unbroken run's."""
     for rank in (0, 1):
@@ -101,10 +107,13 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     assert_same_samples(tmp_path, result, ref_traces)
 
 
-def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_step_before_bitwise(tmp_path, reference):
+def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_step_before_bitwise(tmp_path, reference,
+                                                                                                  reference_run):
     """No timed fast copies and no durable snapshot: rank 1 dies in the forward pass of step 138, so
     the only copy to restore is the one rank 0, the node's surviving rank, writes of step 137 from its
-    live model and both ranks' slots (survivor.py). Exactly that step is redone."""
+    live model and both ranks' slots (survivor.py). Exactly that step is redone. The metric history is
+    the unbroken run's record for record, bitwise, though the copy falls between two log steps and the
+    unbroken run snapshots every 25 steps: each rank's values since step 130 are in the copy."""
     ref_result, ref_traces, _ = reference
     kill_step = 138
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", f"task.args.pause_at_step={kill_step}",
@@ -120,6 +129,7 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
     assert_same_samples(tmp_path, result, ref_traces)
+    assert final_history(tmp_path) == final_history(reference_run.workdir)
 
 
 def test_sigkill_agent_and_workers_then_relaunch_resumes_bitwise(tmp_path, reference):
