@@ -89,5 +89,21 @@ class ShardedState:
         return ObjectEntry(size=size, algorithm=CHECKSUM, digest=hasher.hexdigest())
 
 
+def consolidated_model(url: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict from a sharded snapshot at ``url``, in this process (no process group).
+
+    DCP's private ``_load_state_dict`` with its ``_EmptyStateDictLoadPlanner`` is what its public
+    ``format_utils.dcp_to_torch_save`` runs; called here with ``keys={"model"}`` it reads the
+    model's entries alone, not the optimizers' (two more copies of the model's size for Adam).
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader = ShardedState(nn.Module(), [], storage_options)._reader(url)
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:400] or type(exc).__name__
