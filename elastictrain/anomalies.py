@@ -223,7 +223,10 @@ class Anomalies:
         that broke them (an anomaly the cheaper checks let through) is rolled back instead of saved."""
         if self.cfg.policy != "rollback" or self.pending is not None:
             return
-        if not math.isfinite(norm_of([p.detach() for p in parameters])):
+        # FSDP: this rank's shards alone, no collective (ranks with a sighting skip this check): every element is
+        # checked by the rank holding it, and the sightings of all ranks are gathered at the vote.
+        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]
+        if not math.isfinite(norm_of(local)):
             self.pending = Sighting(step, math.nan, "weights", self.host)
 
     def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:

@@ -121,6 +121,17 @@ def test_fsdp_resumes_at_4_then_2_then_3_workers_resharding_and_exports_a_plain_
     assert params_sha256(model) == results[2].summary["params_sha256"]
 
 
+@pytest.mark.torchrun
+def test_fsdp_self_healing_rolls_back_from_the_shards_and_skips_a_poisoned_batch(tmp_path):
+    """A NaN sample on rank 1 (anomaly.policy=rollback, the default): rolled back twice in the running process,
+    reading the shards, while rank 0's weights check (no sighting of its own) must not start a collective alone."""
+    result = finished(launch(tmp_path, "poisoned", ["train.max_epochs=1", "task.args.poison=700",
+                                                    "snapshot.durable.every_steps=10"]))
+    assert "rolled back to step 30 to replay it (rollback 1 of 4)" in result.output, result.output[-4000:]
+    assert "anomaly at step 35 recurred on replay (loss nan): it is the data" in result.output
+    assert result.summary["step"] == "47" and start_steps(result.output) == [0]
+
+
 @pytest.mark.parametrize("setting, key", [
     ("train.virtual_shards=2", "train.virtual_shards=0"),
     ("dist.sync_batchnorm=true", "dist.sync_batchnorm=false"),
