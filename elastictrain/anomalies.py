@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .collectives import all_gather
 from .config import AnomalyConfig
@@ -222,7 +223,10 @@ class Anomalies:
         that broke them (an anomaly the cheaper checks let through) is rolled back instead of saved."""
         if self.cfg.policy != "rollback" or self.pending is not None:
             return
-        if not math.isfinite(norm_of([p.detach() for p in parameters])):
+        # FSDP: this rank's shards alone, no collective (ranks with a sighting skip this check): every element is
+        # checked by the rank holding it, and the sightings of all ranks are gathered at the vote.
+        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]
+        if not math.isfinite(norm_of(local)):
             self.pending = Sighting(step, math.nan, "weights", self.host)
 
     def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
@@ -385,6 +389,8 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
     """The 2-norm of all ``tensors`` together, as a Python float (0.0 for none)."""
     if not tensors:
         return 0.0
+    if any(isinstance(t, DTensor) for t in tensors):  # FSDP's shards: the global norm, never one rank's part
+        return float(torch.nn.utils.get_total_norm(tensors, 2.0).full_tensor())
     if len({(t.device, t.dtype) for t in tensors}) > 1:  # one foreach call takes one device and dtype
         return float(torch.nn.utils.get_total_norm(tensors, 2.0))
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0))))

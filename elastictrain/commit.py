@@ -113,8 +113,10 @@ class Committer:
         self.recycle_keep_last = recycle_keep_last
         self.last_timings: CommitTimings | None = None
 
-    def commit(self, step: int, writers: dict[str, Writer], meta: dict) -> Manifest:
-        """Write every writer's object for `step`, then the manifest that makes it exist."""
+    def commit(self, step: int, writers: dict[str, Writer], meta: dict,
+               written: dict[str, ObjectEntry] | None = None) -> Manifest:
+        """Write every writer's object for `step`, then the manifest that makes it exist, listing ``written`` too
+        (objects the ranks already wrote under the prefix: a sharded snapshot's, sharded.py)."""
         for name in writers:
             if not name or "/" in name or name.startswith(".") or name == MANIFEST_NAME:
                 raise ValueError(f"snapshot object name {name!r} must be a plain file name")
@@ -129,7 +131,7 @@ class Committer:
             # A prefix already here is a torn leftover or an older snapshot of this step; its
             # stale objects must not survive next to the new ones. (A listing, not a HEAD: a
             # refused credential then says so instead of a bare 403.)
-            if client.call("find", prefix):
+            if not written and client.call("find", prefix):  # (``written``: the prefix was cleared before them)
                 client.call("rm", prefix, recursive=True)
             if client.is_local:
                 if not (self.recycle_keep_last and self._recycle_oldest(prefix, writers)):
@@ -142,6 +144,7 @@ class Committer:
                     objects = self._write_local_payload(snapshot_id, writers, timings)
                 else:
                     objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
+                objects = {**(written or {}), **objects}
                 manifest = Manifest(snapshot_id, step, time.time(), objects, meta)
                 manifest_bytes = manifest.to_json()
                 manifest_started = time.perf_counter()

@@ -206,6 +206,7 @@ class DistConfig(_Section):
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: cuda:LOCAL_RANK if available)
     find_unused_parameters: bool | None = None  # None: DDP_FIND_UNUSED_PARAMETERS or false
     sync_batchnorm: bool = False
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, sharded snapshots (docs/guides/fsdp.md)
     init_timeout_s: PositiveFloat = 60.0  # store connection and process-group set-up
     collective_timeout_s: PositiveFloat = 300.0  # any single collective
 
@@ -280,6 +281,22 @@ class Config(_Section):
                 f"samples and derives each rank's accumulation from the world size; set train.grad_accum_steps=1 and "
                 "train.on_world_size_change=keep_global_batch (the defaults), or train.virtual_shards=0"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_alone(self) -> "Config":
+        if self.dist.strategy != "fsdp":
+            return self
+        conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
+                      "train.virtual_shards=0"),
+                     (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
+                     (self.snapshot.local.url, "the fast tier snapshot.local.url (not built for sharded snapshots yet)",
+                      "snapshot.local.url=null"),
+                     (self.snapshot.durable.async_write, "snapshot.durable.async_write (not built for sharded snapshots "
+                      "yet)", "snapshot.durable.async_write=false")]
+        for value, what, fix in conflicts:
+            if value:
+                raise ValueError(f"dist.strategy=fsdp cannot be combined with {what}; set {fix}, or dist.strategy=ddp")
         return self
 
     @property

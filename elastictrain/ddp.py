@@ -11,16 +11,19 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from . import fsdp
 from .config import DistConfig
 from .dist import DistContext
 from .errors import ConfigError
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:
-    """Move to the device; under DDP convert BatchNorm if asked and wrap."""
+    """Move to the device; under DDP convert BatchNorm if asked and wrap; under FSDP shard (fsdp.py)."""
     model.to(ctx.device)
     if not ctx.distributed:
         return model
+    if cfg.strategy == "fsdp":
+        return fsdp.shard_model(model, unwrap(model))
     if cfg.sync_batchnorm:
         if ctx.device.type != "cuda":
             raise ConfigError(

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import ddp, dist
+from .collectives import all_gather
 from .config import Config, load_config
 from .data import EvalBatchSampler, batch_size_of, is_stream, make_loader, to_device
 from .events import Observer
@@ -142,14 +143,20 @@ class Trainer:
         sampler = EvalBatchSampler(len(self.task.val_data), session.rank, session.world_size, self.cfg.data.val_batch_size)
         loader = make_loader(self.task.val_data, sampler, self.cfg.data.num_workers, self.cfg.run.seed,
                              self.task.collate_fn, seed_in_process=False)
-        count, sums = 0, {}
+        # FSDP gathers each block's weights in its forward, a collective: through the sharded root, every rank
+        # runs as many forwards (the extra ones repeat its last batch and count nothing).
+        sharded = self.cfg.dist.strategy == "fsdp" and session.ctx.distributed
+        forwards = max(all_gather(len(loader), session.ctx)) if sharded else 0
+        count, sums, batch = 0, {}, None
         with torch.no_grad(), autocast(self.cfg.train.autocast_dtype, session.device):
             for batch in loader:
                 batch = to_device(batch, session.device)
                 samples = batch_size_of(batch)
-                loss, metrics = split_loss(self.task.loss_fn(plain, batch))
+                loss, metrics = split_loss(model(batch) if sharded else self.task.loss_fn(plain, batch))
                 for name, value in {"loss": loss, **metrics}.items():
                     sums[name] = sums.get(name, 0.0) + float(value) * samples
                 count += samples
+            for _ in range(forwards - len(loader)):
+                model(batch)
         model.train()
         return reduce_objects(count, sums, session.ctx)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import ddp
+from . import ddp, fsdp
 from .errors import UsageError
 from .runstate import RESERVED_NAMES
 from .task import PendingScheduler
@@ -24,6 +24,7 @@ class Registry:
         self.objects: dict[str, Any] = {}
         self.wrapped: list[nn.Module] = []  # what session.wrap() wrapped: each must be registered
         self.optimizer_steps = 0  # registered optimizers' steps since the session last reset it
+        self.replaced: dict[int, nn.Parameter] = {}  # id(parameter) -> the sharded one FSDP put in its place (fsdp.py)
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1
@@ -37,6 +38,7 @@ class Registry:
             raise UsageError(f"session.register({name}=...): a {type(value).__name__} has no state_dict() and "
                              "load_state_dict(); register objects that do (models, optimizers, schedulers, ...)")
         if isinstance(value, torch.optim.Optimizer):
+            fsdp.rebind(value, self.replaced)
             value.register_step_post_hook(self._optimizer_stepped)
         self.objects[name] = ddp.unwrap(value) if isinstance(value, nn.Module) else value
 

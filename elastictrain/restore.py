@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torch.optim import Optimizer
+
 from . import errors
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
@@ -77,7 +79,10 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     if error is not None:
         raise getattr(errors, error[0], ElastictrainError)(error[1])
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
-        objects = broadcast_bytes_from_main(found[1] if found else None, durable.ctx)
+        # A sharded snapshot's shards stay where they are: every rank reads its own part of them (sharded.py).
+        sent = {name: data for name, data in found[1].items() if not manifest.meta.get("sharded") or name == STATE_OBJECT} \
+            if found else None
+        objects = broadcast_bytes_from_main(sent, durable.ctx)
         load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
         durable.last_committed = (manifest.step, manifest.created_unix)
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
@@ -98,17 +103,26 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
                   keep: tuple[str, ...] = ()) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
     after the resume checks."""
-    for name in (MODEL_OBJECT, STATE_OBJECT):
+    sharded = bool(manifest.meta.get("sharded"))
+    if sharded != (target.sharded is not None):
+        strategy = "fsdp" if sharded else "ddp"
+        raise SnapshotError(f"{where} was taken with dist.strategy={strategy}, this run has dist.strategy="
+                            f"{target.cfg.dist.strategy}; resume with dist.strategy={strategy} (`elastictrain snapshots "
+                            f"export` writes its weights for a new run) — nothing was deleted")
+    for name in (STATE_OBJECT,) if sharded else (MODEL_OBJECT, STATE_OBJECT):
         if name not in objects:
             raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
-    weights = load_object(objects[MODEL_OBJECT], where, target.ctx.device)
+    weights = None if sharded else load_object(objects[MODEL_OBJECT], where, target.ctx.device)
     state = load_object(objects[STATE_OBJECT], where, target.ctx.device)
     if state.get("format_version") != FORMAT_VERSION:
         raise SnapshotError(
             f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
             f"use the elastictrain version that wrote it, or {start_fresh_advice(target.cfg)} — nothing was deleted"
         )
-    load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
+    if sharded:  # the model and optimizers: every rank reads its part of the shards, at any world size
+        target.sharded.load(target.store.prefix_url(manifest.step), where)
+    else:
+        load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
         warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
@@ -116,6 +130,8 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
         if name in keep:
             continue
         saved = state.get(name)
+        if sharded and isinstance(component, Optimizer):
+            continue  # loaded from the shards
         if component is not None and saved is not None:
             component.load_state_dict(saved)
         elif name in _OPTIONAL_COMPONENTS and (component is None) != (saved is None):

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import ddp, dist, failpoints, launch_env
+from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import grad_norm
 from .collectives import broadcast_from_main
 from .config import Config, load_config
@@ -151,9 +151,11 @@ class Session:
         loss inside DDP's forward (for ``StepRunner``; needed by ``train.virtual_shards``).
         """
         self._in_setup("wrap")
+        before = dict(model.named_parameters())
         wrapped, sync = wrap_model_for(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
         self.grad_sync = sync or self.grad_sync
         self.registry.wrapped.append(ddp.unwrap(wrapped))
+        self.registry.replaced.update(fsdp.replaced_parameters(before, model))  # FSDP's sharded parameters
         return wrapped
 
     def register(self, **statefuls: Any) -> None:

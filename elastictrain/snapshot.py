@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .errors import SnapshotError
 
@@ -259,6 +260,8 @@ def params_sha256(model: nn.Module) -> str:
     """A fingerprint of a model: sha256 over every state entry's name, dtype, shape and bytes, sorted by name."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        if isinstance(tensor, DTensor):  # FSDP's shard: the whole tensor (a collective: every rank hashes)
+            tensor = tensor.full_tensor()
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())

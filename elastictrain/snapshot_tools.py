@@ -146,12 +146,24 @@ def _load(payload: dict[str, bytes], role: str, where: str) -> Any:
     return load_object(payload[name], where)
 
 
+def _weights(store: SnapshotStore, manifest: Manifest, payload: dict[str, bytes], where: str) -> Any:
+    """The snapshot's whole model state_dict: its model object, or its shards consolidated (dist.strategy=fsdp)."""
+    if not manifest.meta.get("sharded"):
+        return _load(payload, "model", where)
+    from .sharded import consolidated_model
+
+    try:
+        return consolidated_model(store.prefix_url(manifest.step), store.client.options)
+    except Exception as exc:  # noqa: BLE001 - a shard DCP cannot read: one line, the snapshot is left as it is
+        raise SnapshotError(f"{where}: its shards cannot be read ({' '.join(str(exc).split())[:300]})") from None
+
+
 def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: int | None) -> dict[str, Any]:
     """Config, progress, attempts and a history summary of one snapshot."""
     manifest, payload = select(store, listings, step)
     where = f"snapshot {store.url}/{manifest.snapshot_id}"
     state = _load(payload, "state", where)
-    weights = _load(payload, "model", where)
+    weights = _weights(store, manifest, payload, where)
     records = list((state.get("history") or {}).get("records") or [])
     attempts = attempts_of(state)
     return {
@@ -220,7 +232,7 @@ def export_document(
 
     manifest, payload = select(store, listings, step)
     where = f"snapshot {store.url}/{manifest.snapshot_id}"
-    weights = _load(payload, "model", where)
+    weights = _weights(store, manifest, payload, where)
     if not all(hasattr(value, "numel") for value in weights.values()):
         raise SnapshotError(f"{where}: '{MODEL_OBJECT}' is not a state_dict of tensors")
     if fmt == "safetensors":
@@ -229,8 +241,16 @@ def export_document(
             {name: tensor.detach().clone().contiguous() for name, tensor in weights.items()},
             metadata={"elastictrain_snapshot": f"{store.url}/{manifest.snapshot_id}", "step": str(manifest.step)},
         )
-    else:
+    elif MODEL_OBJECT in payload:
         data = payload[MODEL_OBJECT]  # already exactly a torch.save'd state_dict, verified above
+    else:  # a sharded snapshot's model, consolidated
+        import io
+
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        data = buffer.getvalue()
     _write_atomically(Path(out), data)
     return {
         "url": store.url,

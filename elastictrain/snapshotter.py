@@ -39,6 +39,7 @@ from .events import SnapshotReport
 from .lease_keeper import LeaseKeeper
 from .manifest import Manifest
 from .restore import Restored, restore_newest
+from .sharded import SHARDED, ShardedState
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, writer_for
 from .staging import Stager
 from .storage import SnapshotStore
@@ -83,6 +84,9 @@ class Snapshotter:
         self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
         self._writes = BackgroundWrites(tier)
+        # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
+        self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
+                                    options) if cfg.dist.strategy == "fsdp" and tier == "durable" else None
 
     @property
     def url(self) -> str:
@@ -185,11 +189,13 @@ class Snapshotter:
         mine = {"rng": capture_rng(self.ctx.device), **self.rank_state()}
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
+        written = self._write_shards(step) if self.sharded is not None else None
         rank_states = gather_to_main(mine, self.ctx)
         outcome = None
         if self.ctx.is_main:
             outcome = self._start_write(step, rank_states, meta, started) if self.asynchronous else \
-                self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+                self._commit(step, None if written is not None else self.model.state_dict(), self._state_dict(rank_states),
+                             meta, started, written)
         # The one point where all ranks learn the outcome together: nobody trains on while
         # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
         committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
@@ -200,6 +206,21 @@ class Snapshotter:
         if self.asynchronous and error is None:
             return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+
+    def _write_shards(self, step: int) -> dict | None:
+        """fsdp, every rank: write this rank's shards into the step's prefix; rank 0 returns every rank's checksums."""
+        error = None
+        if self.ctx.is_main:
+            try:  # before any rank writes: DCP's first collective (its plan) waits for rank 0 to get there
+                self.store.clear_prefix(step)
+            except StorageError as exc:
+                error = str(exc)
+        error = broadcast_from_main(error, self.ctx)
+        if error is not None:
+            raise StorageError(error)
+        mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step)
+        shares = gather_to_main(mine, self.ctx)
+        return {name: entry for share in shares for name, entry in share.items()} if self.ctx.is_main else None
 
     def _save_local(self, step: int, mine: dict, meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node.
@@ -322,17 +343,21 @@ class Snapshotter:
 
     # -- the commit itself (rank 0) -----------------------------------------------------------
 
-    def _commit(self, step: int, model_state: dict[str, Any], state: dict[str, Any], meta: dict[str, Any],
-                started: float) -> tuple:
+    def _commit(self, step: int, model_state: dict[str, Any] | None, state: dict[str, Any], meta: dict[str, Any],
+                started: float, written: dict | None = None) -> tuple:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
             save_object(state, fileobj)  # torch.save without the zip CRC-32: the store checksums every byte
 
-        writers = {MODEL_OBJECT: writer_for(model_state), STATE_OBJECT: write_state}
+        writers = {STATE_OBJECT: write_state}
+        if model_state is not None:  # None: the ranks wrote the model's shards (``written``)
+            writers[MODEL_OBJECT] = writer_for(model_state)
+        else:
+            meta = {**meta, "sharded": SHARDED}
         if self._lease is not None and self._lease.lost is not None:
             return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
         try:
-            manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION})
+            manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION}, written)
         except StorageError as exc:
             stop = not isinstance(exc, StorageUnavailable) and self.on_error == "stop"
             return False, 0, self._fell_behind(step, exc, stop), stop
@@ -370,7 +395,8 @@ class Snapshotter:
         """Everything but the model weights; the model is its own payload object."""
         return {
             "format_version": FORMAT_VERSION,
-            **{name: (c.state_dict() if c is not None else None) for name, c in self.statefuls.items()},
+            **{name: (c.state_dict() if c is not None else None) for name, c in self.statefuls.items()
+               if not (self.sharded is not None and isinstance(c, torch.optim.Optimizer))},  # fsdp: in the shards
             "rng": [ranks["rng"] for ranks in rank_states],
             "rank_states": {name: [ranks[name] for ranks in rank_states] for name in self.rank_statefuls},
             "config": self.cfg.to_dict(redact=True),

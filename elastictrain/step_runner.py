@@ -20,6 +20,7 @@ import torch
 from . import failpoints
 from .anomalies import grad_norm
 from .data import batch_size_of
+from .fsdp import full_value
 from .task import split_loss
 
 
@@ -57,7 +58,8 @@ class StepRunner:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if self.clip_grad_norm is not None:  # the norm clipping uses, checked as it is
-                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
+                norm = full_value(  # FSDP: the global norm of the sharded gradients
+                    torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0))
                 checked = float(norm)
             else:
                 checked = grad_norm(self.params)

@@ -20,7 +20,7 @@ from elastictrain.catalog import Catalog
 from elastictrain.commit import Committer, Writer
 from elastictrain.hashing import CommitTimings
 from elastictrain.lease import StoreLease, run_id
-from elastictrain.manifest import Manifest, SnapshotListing
+from elastictrain.manifest import Manifest, ObjectEntry, SnapshotListing, snapshot_id_for_step
 from elastictrain.store_client import StoreClient
 
 
@@ -71,9 +71,25 @@ class SnapshotStore:
         """Write, read back and delete a probe object; StorageError if the store refuses, within bounded time."""
         self.client.check_writable()
 
-    def commit(self, step: int, writers: dict[str, Writer], meta: dict) -> Manifest:
-        """Write every writer's object for `step`, then the manifest that makes it exist."""
-        return self.committer.commit(step, writers, meta)
+    def commit(self, step: int, writers: dict[str, Writer], meta: dict,
+               written: dict[str, ObjectEntry] | None = None) -> Manifest:
+        """Write every writer's object for `step`, then the manifest that makes it exist (listing ``written`` too:
+        objects other processes already wrote under the prefix, after ``clear_prefix``)."""
+        return self.committer.commit(step, writers, meta, written)
+
+    def prefix_url(self, step: int) -> str:
+        """The URL of `step`'s prefix, for writers of our own objects there (sharded.py)."""
+        path = self.client.path(snapshot_id_for_step(step))
+        return path if self.client.is_local else self.fs.unstrip_protocol(path)
+
+    def clear_prefix(self, step: int) -> None:
+        """Before others write `step`'s objects: remove what a torn or older write of it left there."""
+        prefix = self.client.path(snapshot_id_for_step(step))
+        with self.client.operation(f"snapshot {self.client.where(snapshot_id_for_step(step))} could not be cleared"):
+            if self.client.call("find", prefix):
+                self.client.call("rm", prefix, recursive=True)
+            if self.client.is_local:
+                self.client.call("makedirs", prefix, exist_ok=True)
 
     def list_snapshots(self) -> list[SnapshotListing]:
         """List step-* prefixes holding at least one object, oldest first, each with its manifest or why it has none."""

@@ -74,6 +74,7 @@ class StoreClient:
         self._secrets = secret_values(storage_options or {})
         self.is_s3 = url.split("://", 1)[0].lower() in ("s3", "s3a") if "://" in url else False
         options = s3_options_with_bounded_time(storage_options, self.retry_for_s) if self.is_s3 else dict(storage_options or {})
+        self.options = options  # what opened the filesystem, for readers of our own (sharded.py's DCP reader)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:

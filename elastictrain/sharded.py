@@ -1,0 +1,109 @@
+"""Sharded snapshots (``dist.strategy=fsdp``): every rank writes its own shards of the model and optimizers.
+
+``torch.distributed.checkpoint`` (DCP) does the sharded part: ``get_state_dict``/``set_state_dict``
+turn the FSDP model and its optimizers into DTensor state dicts and back, its default planners
+decide which rank writes which shard (and, on load, which bytes each rank reads, which is how a
+snapshot taken at N ranks restores at M), and its storage layer writes one file per rank into the
+snapshot's own prefix (``FileSystemWriter`` for local paths, ``FsspecWriter`` for object stores).
+The rest stays elastictrain's: rank 0 writes ``state.pt`` (progress, RNG, history, config) and
+commits the manifest last, listing every rank's files with sizes and checksums, so atomicity,
+verification, keep-last, ``snapshots verify`` and the fallback to the previous snapshot are those of
+every snapshot. DCP's own ``.metadata`` is one more object of the manifest.
+
+Not DCP: the checksums. DCP writes no digest of its files, so each rank reads back the files it is
+given (an equal share of all, while they are in the page cache) and hashes them; the manifest
+needs them to find a torn or corrupt shard before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .config import is_local_url
+from .errors import SnapshotError, StorageError
+from .manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+
+SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
+_CHUNK = 8 << 20
+
+
+class ShardedState:
+    """The model and its optimizers, saved and loaded as DCP shards (every rank calls ``save`` and ``load``)."""
+
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], storage_options: dict | None = None):
+        self.model = model
+        self.optimizers = optimizers
+        self.storage_options = storage_options or {}
+
+    def _state(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, url: str, rank: int, world_size: int, step: int) -> dict[str, ObjectEntry]:
+        """Write this rank's shards under ``url`` (the snapshot's prefix); return this rank's share of the
+        checksums of every file written (all ranks' shares together name every file)."""
+        try:
+            metadata = dcp.save(self._state(), storage_writer=self._writer(url))
+            files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+            return {name: self._entry(url, name) for name in files[rank::world_size]}
+        except (OSError, dcp.api.CheckpointException) as exc:
+            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({_one_line(exc)}); "
+                               "check free space and permissions — the previous snapshot is intact") from None
+
+    def load(self, url: str, where: str) -> None:
+        """Read this rank's part of the shards under ``url`` (any world size) into the model and optimizers."""
+        state = self._state()
+        try:
+            dcp.load(state, storage_reader=self._reader(url))
+        except (OSError, dcp.api.CheckpointException, RuntimeError) as exc:
+            raise SnapshotError(f"{where}: its shards do not load into this model ({_one_line(exc)}); resume with the "
+                                "model that took it, or point snapshot.durable.url elsewhere to start fresh") from None
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def _writer(self, url: str) -> Any:
+        if is_local_url(url):
+            return FileSystemWriter(url, sync_files=True)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(url, sync_files=True, **self.storage_options)
+
+    def _reader(self, url: str) -> Any:
+        if is_local_url(url):
+            return FileSystemReader(url)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(url, **self.storage_options)
+
+    def _entry(self, url: str, name: str) -> ObjectEntry:
+        import fsspec
+
+        hasher, size = CHECKSUMS[CHECKSUM](), 0
+        with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **self.storage_options) as handle:
+            while chunk := handle.read(_CHUNK):
+                hasher.update(chunk)
+                size += len(chunk)
+        return ObjectEntry(size=size, algorithm=CHECKSUM, digest=hasher.hexdigest())
+
+
+def consolidated_model(url: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict from a sharded snapshot at ``url``, in this process (no process group).
+
+    DCP's private ``_load_state_dict`` with its ``_EmptyStateDictLoadPlanner`` is what its public
+    ``format_utils.dcp_to_torch_save`` runs; called here with ``keys={"model"}`` it reads the
+    model's entries alone, not the optimizers' (two more copies of the model's size for Adam).
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader = ShardedState(nn.Module(), [], storage_options)._reader(url)
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__

@@ -1,0 +1,163 @@
+"""dist.strategy=fsdp under real torchrun: FSDP2 models, sharded snapshots (DCP), resharding resumes, the export.
+
+One unbroken 2-worker fsdp run is the reference; a run whose rank 1 is SIGKILLed mid-training must
+end with its very parameters, and so must a run resumed past a corrupt shard. A job trained at 4,
+then 2, then 3 workers restores each time from shards written at another world size, and its last
+snapshot, exported, loads into a plain module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import sys
+
+import pytest
+import torch
+from filelock import FileLock
+from torch import nn
+
+from elastictrain import fsdp
+from elastictrain.config import load_config
+from elastictrain.errors import ConfigError
+from elastictrain.snapshot import params_sha256
+from elastictrain.tasks import spirals
+
+from tests.conftest import job_env, parse_job, torchrun_command
+from tests.helpers import procs
+from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps
+
+FSDP = [*JOB, "dist.strategy=fsdp", "train.max_epochs=2", "task.args.val_samples=101"]  # 96 steps at 2 workers
+
+
+def launch(tmp_path, name: str, extra: list[str] = (), nproc: int = 2, run_dir=None) -> procs.Launched:
+    (tmp_path / "trace").mkdir(exist_ok=True)
+    overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={run_dir or tmp_path / 'run'}", *extra]
+    return procs.launch(torchrun_command(overrides, nproc=nproc), log_path=tmp_path / f"{name}.log", env=job_env(),
+                        cwd=tmp_path)
+
+
+def finished(job: procs.Launched):
+    assert job.wait(TIMEOUT_S * 2) == 0, job.output()[-4000:]
+    result = parse_job(job.output())
+    assert result.summary["state"] == "DONE", job.output()[-4000:]
+    return result
+
+
+def manifest(run_dir, step: int) -> dict:
+    return json.loads((run_dir / "snapshots" / f"step-{step:012d}" / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The unbroken fsdp run, once for the xdist workers together (as tests/conftest.py's reference_run)."""
+    shared = tmp_path_factory.getbasetemp().parent if "PYTEST_XDIST_WORKER" in os.environ else tmp_path_factory.getbasetemp()
+    workdir = shared / "fsdp-reference"
+    workdir.mkdir(exist_ok=True)
+    with FileLock(str(workdir / "reference.lock")):
+        if (workdir / "reference.pickle").exists():
+            return workdir, pickle.loads((workdir / "reference.pickle").read_bytes())
+        result = finished(launch(workdir, "reference"))
+        (workdir / "reference.pickle").write_bytes(pickle.dumps(result))
+        return workdir, result
+
+
+@pytest.mark.torchrun
+def test_fsdp_sigkill_mid_training_resumes_bitwise_from_every_ranks_shards(tmp_path, reference):
+    ref_dir, ref = reference
+    # Every rank's DCP file, DCP's metadata and rank 0's state.pt, each with its size and checksum; no model.pt.
+    objects = manifest(ref_dir / "run", 96)["objects"]
+    assert sorted(objects) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert all(entry["size"] > 0 and entry["digest"] for entry in objects.values())
+
+    job = launch(tmp_path, "killed", ["task.args.pause_rank=1", "task.args.pause_at_step=60"])
+    os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
+    result = finished(job)
+    assert start_steps(result.output) == [0, 50], "expected one restart, from the snapshot of step 50"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_corrupt_shard_skips_that_snapshot_and_resumes_bitwise_from_the_one_before(tmp_path, reference):
+    ref_dir, ref = reference
+    shutil.copytree(ref_dir / "run" / "snapshots", tmp_path / "run" / "snapshots")
+    shard = tmp_path / "run" / "snapshots" / f"step-{96:012d}" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in rank 1's shard of the newest snapshot
+    shard.write_bytes(bytes(data))
+
+    result = finished(launch(tmp_path, "resumed", ["snapshot.accept_changes=[task.args.trace_dir]"]))
+    assert re.search(r"WARNING skipping snapshot \S+step-000000000096: .*object '__1_0.distcp' xxh3_128 mismatch",
+                     result.output), result.output[-4000:]
+    assert start_steps(result.output) == [75]
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_resumes_at_4_then_2_then_3_workers_resharding_and_exports_a_plain_state_dict(tmp_path):
+    """Trained at 4 workers to step 12 and at 2 to step 30, the job is relaunched at 3 with nothing left to train:
+    its parameters, read from 2 ranks' shards into 3, are bitwise those the 2-worker run ended with."""
+    reshard = ["train.on_world_size_change=keep_rank_batch", "snapshot.durable.every_steps=10"]
+    results = {}
+    for nproc, max_steps in ((4, 12), (2, 30), (3, 30)):
+        results[nproc] = finished(launch(tmp_path, f"world{nproc}", [*reshard, f"train.max_steps={max_steps}"], nproc))
+    assert results[4].summary["world_size"] == "4" and start_steps(results[4].output) == [0]
+    for nproc, saved_world, step in ((2, 4, 12), (3, 2, 30)):
+        assert start_steps(results[nproc].output) == [step]
+        assert f"was taken with world size {saved_world}, this run has {nproc}" in results[nproc].output
+        assert results[nproc].summary["step"] == "30"
+    assert results[3].summary["params_sha256"] == results[2].summary["params_sha256"]
+
+    out = tmp_path / "model.pt"
+    exported = procs.launch([sys.executable, "-m", "elastictrain", "snapshots", "export", str(tmp_path / "run" / "snapshots"),
+                             "--out", str(out)], log_path=tmp_path / "export.log", env=job_env(), cwd=tmp_path)
+    assert exported.wait(TIMEOUT_S) == 0, exported.output()
+    model = spirals.SpiralNet(classes=3, hidden=64, dropout=0.1)
+    model.load_state_dict(torch.load(out, weights_only=True))
+    assert params_sha256(model) == results[2].summary["params_sha256"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_self_healing_rolls_back_from_the_shards_and_skips_a_poisoned_batch(tmp_path):
+    """A NaN sample on rank 1 (anomaly.policy=rollback, the default): rolled back twice in the running process,
+    reading the shards, while rank 0's weights check (no sighting of its own) must not start a collective alone."""
+    result = finished(launch(tmp_path, "poisoned", ["train.max_epochs=1", "task.args.poison=700",
+                                                    "snapshot.durable.every_steps=10"]))
+    assert "rolled back to step 30 to replay it (rollback 1 of 4)" in result.output, result.output[-4000:]
+    assert "anomaly at step 35 recurred on replay (loss nan): it is the data" in result.output
+    assert result.summary["step"] == "47" and start_steps(result.output) == [0]
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("train.virtual_shards=2", "train.virtual_shards=0"),
+    ("dist.sync_batchnorm=true", "dist.sync_batchnorm=false"),
+    ("snapshot.local.url=/dev/shm/x", "snapshot.local.url=null"),
+    ("snapshot.durable.async_write=true", "snapshot.durable.async_write=false"),
+])
+def test_fsdp_with_a_setting_it_cannot_serve_is_one_line_naming_the_fix(setting, key):
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["dist.strategy=fsdp", setting])
+    message = str(raised.value)
+    assert "\n" not in message and "dist.strategy=fsdp cannot be combined with" in message and key in message
+    load_config(None, ["dist.strategy=ddp", setting])  # the same setting with ddp is fine
+
+
+def test_default_wrapping_shards_the_blocks_of_the_outermost_lists():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])  # a block's own list stays in the block
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(2, 2)  # outside any list: the root's
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+
+    net = Net()
+    assert [id(m) for m in fsdp.blocks(net)] == [id(m) for m in [*net.blocks, net.head[0], net.head[2]]]
