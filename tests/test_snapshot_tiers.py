@@ -98,6 +98,32 @@ def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_restart_onto_a_tier_full_for_now_trains_on_with_warnings_instead_of_stopping(tmp_path, monkeypatch, capfd):
+    """Found by the chaos soak: the node's memory filled by something else while a worker restarts. The tier held
+    this run's copies (it fits); the restarted attempt's copies fail with warnings, the run goes on to its end."""
+    import elastictrain.commit as commit_module
+    import elastictrain.snapshotter as snapshotter_module
+
+    durable = memory_url()
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27).fit()
+    assert local_steps(tmp_path) == [20, 24]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit_module.os, "fsync", full)  # every write into the tier fails as on a full tmpfs
+    capfd.readouterr()
+    summary = trainer(tmp_path, durable).fit()
+    err = capfd.readouterr().err
+    assert "restored step 24 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
+    assert summary.global_step == 64 and summary.state == "DONE"
+    assert "snapshot at step 28 not committed" in err, err[-3000:]
+
+
+@pytest.mark.slow
 def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
     from elastictrain.events import Observer
 
