@@ -194,3 +194,33 @@ def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store
     trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=2.0).fit()
     # The run started over 2 s ago: the restored fast copy (step 24) goes to the durable store at once.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [24, 40]
+
+
+@pytest.mark.slow
+def test_a_rollback_heals_from_the_fast_tier_while_the_durable_store_does_not_answer(tmp_path, monkeypatch, capfd):
+    """Found by the chaos soak: a NaN batch while the S3 server hung stopped the run in ROLLBACK (the durable store was
+    listed and did not answer), so a transient fault cost a restart. This process wrote the store's newest snapshot;
+    a fast copy as new is enough."""
+    from elastictrain.errors import StorageUnavailable
+
+    durable = memory_url()
+    monkeypatch.setenv("ELASTICTRAIN_FAULT", f"grad-inf@27:{tmp_path}")
+    real = SnapshotStore.latest_valid
+
+    def hung(self, *args, **kwargs):
+        if self.url == durable and (tmp_path / "fault-grad-inf.done").exists():
+            raise StorageUnavailable(f"the store {durable} did not answer (a test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "latest_valid", hung)
+    seed_everything(0)
+    task = build(str(tmp_path), train_samples=512, hidden=32)
+    summary = Trainer.from_task(task, {
+        "snapshot": {"durable": {"url": durable, "every_steps": 10}, "local": {"url": str(tmp_path / "shm"), "every_steps": LOCAL_EVERY}},
+        "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5}, "anomaly": {"check_gradients": True},
+        "log": {"progress_bar": False},
+    }).fit()
+    err = capfd.readouterr().err
+    assert "rolled back to step 24 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
+    assert "step 27 replayed clean" in err, err[-3000:]
+    assert summary.state == "DONE" and summary.global_step == 64
