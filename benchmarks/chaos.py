@@ -9,7 +9,7 @@ schedule throws about one fault every ``--every-s`` seconds of training at it, t
 (every kind once before any twice): SIGKILL or SIGSTOP of a worker, SIGTERM of agent 1 (relaunched 10-30 s
 later), agent 1 and its worker SIGKILLed (node loss, relaunched 10-30 s later), the S3 server SIGSTOPped 20-60 s,
 the newest fast copy of every node corrupted (then a worker SIGKILLed so a restore must read it), node 0's
-tier filled by a file for 5-15 s, a NaN batch (``ELASTICTRAIN_FAULT=grad-inf`` at mid-run, self-healed). Faults
+tier filled by a file for 5-15 s, a NaN batch (``ELASTICTRAIN_FAULT=grad-inf`` at about its scheduled step, self-healed; one per job). Faults
 run one after another, each once the one before ended and both nodes train again. An unbroken two-worker
 torchrun of the same training runs beside it: its parameters are what the job must end with, its median step
 time is the reference of the goodput.
@@ -83,7 +83,8 @@ def main() -> None:
             (scratch / "unbroken").mkdir()
             unbroken = procs.launch(chaos.unbroken_command(scratch / "unbroken", steps), log_path=scratch / "unbroken.log",
                                     env={**job_env(), **chaos.ENV}, cwd=scratch / "unbroken")
-            nan_step = steps // 2
+            # the NaN batch at about its scheduled time (seconds of training / the expected step time)
+            nan_step = next(round(f.at_s / args.step_s) for f in faults if f.kind == "nan-batch")
             job = chaos.ChaosJob(scratch / "chaos", s3, bucket, steps=steps, nan_step=nan_step,
                                  local_every_s=args.local_every_s, durable_every_s=args.durable_every_s,
                                  timeout_s=duration_s * 4 + 300)

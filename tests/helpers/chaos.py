@@ -87,6 +87,8 @@ def schedule(seed: int, duration_s: float, every_s: float = 30.0, kinds: tuple[s
             bag = list(kinds)
             draw.shuffle(bag)
         kind = bag.pop()
+        if kind == "nan-batch" and any(fault.kind == kind for fault in faults):
+            kind = "worker-sigkill"  # one NaN batch per job: ELASTICTRAIN_FAULT=grad-inf@STEP fires once
         at_s = first_s + index * every_s + draw.uniform(-every_s / 4, every_s / 4) * (index > 0)
         duration = {"s3-pause": draw.uniform(*pause_s), "agent-sigterm": draw.uniform(*away_s),
                     "node-loss": draw.uniform(*away_s), "local-tier-full": draw.uniform(*full_s)}.get(kind, 0.0)
