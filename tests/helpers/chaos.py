@@ -31,7 +31,6 @@ import datetime
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -63,7 +62,8 @@ TRAIN = [
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: what, when (seconds from launch), for how long (pauses, a node's absence), on which rank."""
+    """One fault: what, when (seconds of training: from when both nodes first trained), for how long (a pause, a
+    node's absence, a full tier), on which rank."""
 
     kind: str
     at_s: float
@@ -78,8 +78,7 @@ def schedule(seed: int, duration_s: float, every_s: float = 30.0, kinds: tuple[s
     (every kind once before any twice), jittered by up to a quarter interval; the same seed, the same list."""
     draw = random.Random(seed)
     first_s = every_s if first_s is None else first_s
-    count = max(len(kinds) if duration_s >= first_s + every_s * (len(kinds) - 1) else 1,
-                int((0.8 * duration_s - first_s) // every_s) + 1)
+    count = max(1, int((0.8 * duration_s - first_s) // every_s) + 1)
     bag: list[str] = []
     faults = []
     for index in range(count):
@@ -462,7 +461,3 @@ def unbroken_command(workdir: Path, steps: int) -> list[str]:
     return torchrun_command([*TRAIN, f"train.max_steps={steps}", f"run.dir={workdir / 'run'}",
                              f"task.args.trace_dir={workdir / 'trace'}", "snapshot.durable.every_steps=0",
                              "snapshot.durable.on_done=false"])
-
-
-def rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
