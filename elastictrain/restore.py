@@ -62,7 +62,11 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     found, error = None, None
     if durable.ctx.is_main:
         try:
-            if resume:
+            if rollback and newest_local >= 0 and (durable.last_committed or (-1,))[0] <= newest_local:
+                # This process wrote the durable store's newest (its writes are finished): a fast copy as new is
+                # enough, and the store, which may not answer now, need not be read for a transient fault to heal.
+                pass
+            elif resume:
                 found = durable.store.latest_valid(newer_than=newest_local)
                 if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
                     committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]

@@ -79,8 +79,11 @@ def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dic
         for name, value in group.items():
             if name in ("params", "initial_lr") or name not in saved_group:
                 continue
-            # A scheduler moves lr; what the user chose is its starting value.
+            # A scheduler moves lr; what the user chose is its starting value, in the snapshot and here alike (a
+            # rollback restores into an optimizer whose lr the scheduler has moved since).
             before = saved_group.get("initial_lr", saved_group[name]) if name == "lr" else saved_group[name]
+            if name == "lr":
+                value = group.get("initial_lr", value)
             if _differs(value, before):
                 differences.append(f"{name} {before!r} -> {value!r}" + (f" (group {index})" if index else ""))
     if differences:

@@ -234,7 +234,10 @@ class Snapshotter:
             if self._writes.failed is not None:
                 refused = ("StorageError", self._writes.failed)
             elif not self._size_checked:
-                fits = self._check_fits([mine] * self.ctx.world_size)  # the size, from this rank's share
+                # Only before the run's first copy on this node: a tier that held one fits, and one full for now
+                # (another tenant of the node's memory) at a restart fails its copies with a warning, as any failed
+                # fast copy does, instead of stopping the run with a config error no restart can fix.
+                fits = None if self._holds_a_copy() else self._check_fits([mine] * self.ctx.world_size)
                 refused = None if fits is None else ("ConfigError", fits)
                 self._size_checked = True
         exchanged = all_gather((mine, refused), self.ctx)
@@ -272,6 +275,12 @@ class Snapshotter:
         state = {name: component.peek() if hasattr(component, "peek") else component.state_dict()
                  for name, component in self.rank_statefuls.items()}
         return None if any(value is None for value in state.values()) else state
+
+    def _holds_a_copy(self) -> bool:
+        try:
+            return any(snapshot.manifest is not None for snapshot in self.store.list_snapshots())
+        except StorageError:  # unreadable: the size check decides, as before any copy
+            return False
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""

@@ -29,8 +29,8 @@ SLOW_FIXTURES = {
 # Their tests install Debian packages (apt-get takes one at a time) or start the machine's one slurmctld.
 DEBIAN_SERVER_MODULES = {"test_elastic", "test_launch_slurm", "test_metrics", "test_launch_monitoring"}
 # Their tests share a module fixture that trains or builds (a trained store, the built site): one worker runs
-# them all, so it is made once.
-ONE_WORKER_MODULES = {"test_snapshot_cli", "test_docs", "test_self_healing", "test_tracking"}
+# them all, so it is made once. test_chaos: its one test mounts tmpfs and pauses its worker's S3 server for seconds.
+ONE_WORKER_MODULES = {"test_snapshot_cli", "test_docs", "test_self_healing", "test_tracking", "test_chaos"}
 # Their parametrized tests share a module fixture per parameter (test_examples: each example's unbroken run):
 # one worker runs the tests of one parameter.
 ONE_WORKER_PER_PARAM_MODULES = {"test_examples"}

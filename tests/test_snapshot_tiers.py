@@ -100,6 +100,32 @@ def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_restart_onto_a_tier_full_for_now_trains_on_with_warnings_instead_of_stopping(tmp_path, monkeypatch, capfd):
+    """Found by the chaos soak: the node's memory filled by something else while a worker restarts. The tier held
+    this run's copies (it fits); the restarted attempt's copies fail with warnings, the run goes on to its end."""
+    import elastictrain.commit as commit_module
+    import elastictrain.snapshotter as snapshotter_module
+
+    durable = memory_url()
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27).fit()
+    assert local_steps(tmp_path) == [20, 24]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit_module.os, "fsync", full)  # every write into the tier fails as on a full tmpfs
+    capfd.readouterr()
+    summary = trainer(tmp_path, durable).fit()
+    err = capfd.readouterr().err
+    assert "restored step 24 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
+    assert summary.global_step == 64 and summary.state == "DONE"
+    assert "snapshot at step 28 not committed" in err, err[-3000:]
+
+
+@pytest.mark.slow
 def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
     from elastictrain.events import Observer
 
@@ -174,3 +200,33 @@ def test_timed_durable_snapshots_count_from_the_runs_first_start_while_the_store
     trainer(tmp_path, durable, max_steps=40, every_steps=0, every_s=3600.0).fit()
     # The run started over an hour ago: the restored fast copy (step 24) goes to the durable store at once.
     assert [s.step for s in SnapshotStore(durable).list_snapshots()] == [24, 40]
+
+
+@pytest.mark.slow
+def test_a_rollback_heals_from_the_fast_tier_while_the_durable_store_does_not_answer(tmp_path, monkeypatch, capfd):
+    """Found by the chaos soak: a NaN batch while the S3 server hung stopped the run in ROLLBACK (the durable store was
+    listed and did not answer), so a transient fault cost a restart. This process wrote the store's newest snapshot;
+    a fast copy as new is enough."""
+    from elastictrain.errors import StorageUnavailable
+
+    durable = memory_url()
+    monkeypatch.setenv("ELASTICTRAIN_FAULT", f"grad-inf@27:{tmp_path}")
+    real = SnapshotStore.latest_valid
+
+    def hung(self, *args, **kwargs):
+        if self.url == durable and (tmp_path / "fault-grad-inf.done").exists():
+            raise StorageUnavailable(f"the store {durable} did not answer (a test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "latest_valid", hung)
+    seed_everything(0)
+    task = build(str(tmp_path), train_samples=512, hidden=32)
+    summary = Trainer.from_task(task, {
+        "snapshot": {"durable": {"url": durable, "every_steps": 10}, "local": {"url": str(tmp_path / "shm"), "every_steps": LOCAL_EVERY}},
+        "train": {"max_epochs": 2, "batch_size": 16, "log_every_steps": 5}, "anomaly": {"check_gradients": True},
+        "log": {"progress_bar": False},
+    }).fit()
+    err = capfd.readouterr().err
+    assert "rolled back to step 24 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
+    assert "step 27 replayed clean" in err, err[-3000:]
+    assert summary.state == "DONE" and summary.global_step == 64

@@ -144,3 +144,26 @@ def test_a_list_of_optimizers_is_refused_when_the_trainer_is_built():
         "optimizer is a list of 2; the Trainer steps one torch.optim.Optimizer: put the parameter groups in one "
         "optimizer (each group may have its own lr), or train the several optimizers in a custom loop"
     )
+
+
+def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr(monkeypatch):
+    """Found by the chaos soak: a rollback restores into the running optimizer, whose lr a scheduler has moved since
+    the snapshot; what the user chose (the starting lr) is the same, so no "start fresh" advice."""
+    from elastictrain import resume_checks
+
+    said = []
+    monkeypatch.setattr(resume_checks.log, "warning", lambda *args: said.append(args[0] % args[1:]))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    saved = {"param_groups": [dict(group, params=[]) for group in optimizer.state_dict()["param_groups"]]}
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    resume_checks.warn_on_changed_hyperparameters(optimizer, saved, "snapshot s")
+    assert said == []
+
+    chosen = torch.optim.AdamW(model.parameters(), lr=1e-5)  # another lr in the script, under a scheduler too
+    torch.optim.lr_scheduler.StepLR(chosen, step_size=1, gamma=0.5)
+    resume_checks.warn_on_changed_hyperparameters(chosen, saved, "snapshot s")
+    assert len(said) == 1 and "(lr 0.003 -> 1e-05)" in said[0], said
