@@ -146,7 +146,10 @@ class ChaosJob:
                 f"snapshot.durable.storage_options.endpoint_url={self.s3.endpoint}",
                 "snapshot.durable.every_steps=0", f"snapshot.durable.every_s={self.durable_every_s}",
                 "snapshot.durable.async_write=true", "snapshot.durable.retry_for_s=5",
-                f"snapshot.local.url={self.workdir}/fast-node$GROUP_RANK", f"snapshot.local.every_s={self.local_every_s}"]
+                f"snapshot.local.url={self.workdir}/fast-node$GROUP_RANK", f"snapshot.local.every_s={self.local_every_s}",
+                # One copy kept: each copy is a new file. With two, a copy is written over the oldest one's files in
+                # place (commit.py), needing no new pages, and a full tier showed only when a file outgrew its last page.
+                "snapshot.local.keep_last=1"]
 
     def start(self) -> None:
         from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY
