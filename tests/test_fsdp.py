@@ -82,6 +82,33 @@ def test_fsdp_sigkill_mid_training_resumes_bitwise_from_every_ranks_shards(tmp_p
 
 
 @pytest.mark.torchrun
+def test_fsdp_on_s3_sigkill_mid_training_resumes_bitwise_and_the_snapshot_verifies(tmp_path, reference, s3_server, s3_bucket):
+    """The shards go through DCP's FsspecWriter to a real S3 server (SeaweedFS) and come back through its FsspecReader."""
+    ref_dir, ref = reference
+    url, options = f"s3://{s3_bucket}/run", s3_server.storage_options
+    s3 = [f"snapshot.durable.url={url}", f"snapshot.durable.storage_options.endpoint_url={s3_server.endpoint}",
+          f"snapshot.durable.storage_options.key={options['key']}", f"snapshot.durable.storage_options.secret={options['secret']}"]
+    job = launch(tmp_path, "killed", [*s3, "task.args.pause_rank=1", "task.args.pause_at_step=60"])
+    os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
+    result = finished(job)
+    assert start_steps(result.output) == [0, 50], "expected one restart, from the S3 snapshot of step 50"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+    verify = procs.launch([sys.executable, "-m", "elastictrain", "snapshots", "verify", url, "--json",
+                           *(f"--storage-option={o.removeprefix('snapshot.durable.storage_options.')}" for o in s3[1:])],
+                          log_path=tmp_path / "verify.log", env=job_env(), cwd=tmp_path)
+    assert verify.wait(TIMEOUT_S) == 0, verify.output()
+    document = json.loads(verify.output())
+    assert document["newest_step"] == 96 and document["newest_valid"] is True, document
+    objects = manifest_on(s3_server, s3_bucket, 96)["objects"]
+    assert sorted(objects) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+
+
+def manifest_on(s3_server, bucket: str, step: int) -> dict:
+    return json.loads(s3_server.client().cat_file(f"{bucket}/run/step-{step:012d}/manifest.json"))
+
+
+@pytest.mark.torchrun
 def test_fsdp_corrupt_shard_skips_that_snapshot_and_resumes_bitwise_from_the_one_before(tmp_path, reference):
     ref_dir, ref = reference
     shutil.copytree(ref_dir / "run" / "snapshots", tmp_path / "run" / "snapshots")
