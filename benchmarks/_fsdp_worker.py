@@ -1,10 +1,11 @@
 """One worker of the fsdp benchmark (benchmarks/fsdp.py): the same FSDP2 model, data and batch trained by a
 hand-written FSDP2 loop (``hand``, ``hand_async``: with DCP ``async_save`` every ``--every`` steps) or by
 elastictrain with ``dist.strategy=fsdp`` (``elastictrain``: snapshots off; ``elastictrain_snap``: a sharded
-snapshot every ``--every`` steps).
+snapshot every ``--every`` steps; ``elastictrain_async``: the same with ``snapshot.durable.async_write``).
 
 Rank 0 records a timestamp at every training forward (steady-state step time, as _overhead_worker.py) and
-the training time each snapshot blocks: elastictrain's snapshot report duration (the save is synchronous), or
+the training time each snapshot blocks: elastictrain's snapshot report duration (the whole synchronous save, or
+with async_write the wait for the previous write plus the staging), or
 for ``async_save`` the call itself plus the wait for the previous save before the next one starts.
 """
 
@@ -37,7 +38,8 @@ def dataset(samples: int) -> TensorDataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("hand", "hand_async", "elastictrain", "elastictrain_snap"), required=True)
+    parser.add_argument("--mode", choices=("hand", "hand_async", "elastictrain", "elastictrain_snap",
+                                                        "elastictrain_async"), required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--every", type=int, default=20)
@@ -99,13 +101,14 @@ def main() -> None:
             def snapshotted(self, report) -> None:
                 blocked.append(report.duration_s)
 
-        every = args.every if args.mode == "elastictrain_snap" else 0
+        every = args.every if args.mode != "elastictrain" else 0
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)  # rebound to the sharded parameters by register
         config = {
             "run": {"dir": args.run_dir},
             "dist": {"strategy": "fsdp"},
             "train": {"max_epochs": 1, "batch_size": args.batch_size, "log_every_steps": 50},
-            "snapshot": {"durable": {"every_steps": every, "on_done": False, "lease_stale_after_s": 0, "keep_last": 2}},
+            "snapshot": {"durable": {"every_steps": every, "on_done": False, "lease_stale_after_s": 0, "keep_last": 2,
+                                      "async_write": args.mode == "elastictrain_async"}},
             "anomaly": {"policy": "off"},
             "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
         }

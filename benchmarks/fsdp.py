@@ -6,7 +6,8 @@ alternating order per repetition so that load on the machine falls on both:
 - step time: elastictrain with snapshots off against the hand loop (median of paired ratios; target <= 1.02);
 - training time blocked per snapshot: elastictrain's sharded snapshot (every rank writes its DCP shards,
   hashes a share of the files, rank 0 commits the manifest; synchronous) against DCP ``async_save`` of the
-  same model and optimizer in the hand loop (the call, plus waiting for the previous save).
+  same model and optimizer in the hand loop (the call, plus waiting for the previous save), and elastictrain's with
+  ``snapshot.durable.async_write`` (the wait for the previous write plus staging the shards).
 
     PYTHONPATH=. .venv/bin/python benchmarks/fsdp.py --repeats 3
 """
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "fsdp.json"))
     args = parser.parse_args()
-    pairs = {"step": ("hand", "elastictrain"), "snapshot": ("hand_async", "elastictrain_snap")}
+    pairs = {"step": ("hand", "elastictrain"), "snapshot": ("hand_async", "elastictrain_snap", "elastictrain_async")}
     runs: dict[str, list[dict]] = {mode: [] for pair in pairs.values() for mode in pair}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -75,6 +76,7 @@ def main() -> None:
         "median_ratio": statistics.median(ratios),
         "async_save_blocked_ms_median": statistics.median(blocked["hand_async"]),
         "elastictrain_blocked_ms_median": statistics.median(blocked["elastictrain_snap"]),
+        "elastictrain_async_blocked_ms_median": statistics.median(blocked["elastictrain_async"]),
         "snapshots": {mode: len(values) for mode, values in blocked.items()},
         "step_with_snapshots_ms": {mode: step[mode] for mode in pairs["snapshot"]},
     }
@@ -83,7 +85,8 @@ def main() -> None:
     print(f"| {statistics.median(step['hand']):.2f} | {statistics.median(step['elastictrain']):.2f} "
           f"| {results['median_ratio']:.3f} | <= 1.02 {'met' if results['median_ratio'] <= 1.02 else 'NOT met'} |")
     print(f"\ntraining blocked per snapshot (median ms): DCP async_save {results['async_save_blocked_ms_median']:.1f}, "
-          f"elastictrain sharded (synchronous) {results['elastictrain_blocked_ms_median']:.1f}")
+          f"elastictrain sharded (synchronous) {results['elastictrain_blocked_ms_median']:.1f}, "
+          f"elastictrain sharded (async_write) {results['elastictrain_async_blocked_ms_median']:.1f}")
     pathlib.Path(args.out).write_text(json.dumps({
         "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats, "steps": args.steps,
         "every": args.every, "load_1m": os.getloadavg()[0], "results": results,

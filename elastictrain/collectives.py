@@ -20,12 +20,12 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return on_device.cpu()
 
 
-def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
+def gather_to_main(obj: Any, ctx: DistContext, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks. ``group``: one of all ranks."""
     if not ctx.distributed:
         return [obj]
     gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, gathered, dst=0)
+    dist.gather_object(obj, gathered, dst=0, group=group)
     return gathered
 
 
@@ -68,10 +68,11 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
     return received
 
 
-def broadcast_from_main(obj: Any, ctx: DistContext, src: int = 0) -> Any:
-    """Rank ``src``'s (rank 0's) ``obj`` on every rank."""
+def broadcast_from_main(obj: Any, ctx: DistContext, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s (rank 0's) ``obj`` on every rank. ``group``: one of all ranks (a gloo one: objects on the CPU)."""
     if not ctx.distributed:
         return obj
     holder = [obj if ctx.rank == src else None]
-    dist.broadcast_object_list(holder, src=src, device=ctx.device if ctx.backend == "nccl" else None)
+    device = ctx.device if ctx.backend == "nccl" and group is None else None
+    dist.broadcast_object_list(holder, src=src, device=device, group=group)
     return holder[0]

@@ -291,9 +291,7 @@ class Config(_Section):
                       "train.virtual_shards=0"),
                      (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
                      (self.snapshot.local.url, "the fast tier snapshot.local.url (not built for sharded snapshots yet)",
-                      "snapshot.local.url=null"),
-                     (self.snapshot.durable.async_write, "snapshot.durable.async_write (not built for sharded snapshots "
-                      "yet)", "snapshot.durable.async_write=false")]
+                      "snapshot.local.url=null")]
         for value, what, fix in conflicts:
             if value:
                 raise ValueError(f"dist.strategy=fsdp cannot be combined with {what}; set {fix}, or dist.strategy=ddp")

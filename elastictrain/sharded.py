@@ -10,6 +10,9 @@ commits the manifest last, listing every rank's files with sizes and checksums, 
 verification, keep-last, ``snapshots verify`` and the fallback to the previous snapshot are those of
 every snapshot. DCP's own ``.metadata`` is one more object of the manifest.
 
+With ``snapshot.durable.async_write`` every rank ``stage``s its shards into CPU buffers and writes them
+from a thread (``Snapshotter._write_shards_behind``), over a process group of the writers' own.
+
 Not DCP: the checksums. DCP writes no digest of its files, so each rank reads back the files it is
 given (an equal share of all, while they are in the page cache) and hashes them; the manifest
 needs them to find a torn or corrupt shard before anything is loaded.
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -40,16 +44,28 @@ class ShardedState:
         self.model = model
         self.optimizers = optimizers
         self.storage_options = storage_options or {}
+        self._staged: dict[str, Any] | None = None  # async_write: this rank's shards staged on the CPU (stage)
 
     def _state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
         return {"model": model_state, "optim": optim_state}
 
-    def save(self, url: str, rank: int, world_size: int, step: int) -> dict[str, ObjectEntry]:
-        """Write this rank's shards under ``url`` (the snapshot's prefix); return this rank's share of the
-        checksums of every file written (all ranks' shares together name every file)."""
+    def stage(self) -> dict[str, Any]:
+        """This rank's shards copied out of the live model and optimizers (``snapshot.durable.async_write``): what a
+        writer thread saves while training changes the originals."""
+        state = self._state()
+        if self._staged is None:  # CPU buffers made once, reused by every snapshot (DCP's async_save stages alike)
+            self._staged = _create_cpu_state_dict(state)
+        return _copy_state_dict(state, self._staged)
+
+    def save(self, url: str, rank: int, world_size: int, step: int, staged: dict[str, Any] | None = None,
+             group: Any = None) -> dict[str, ObjectEntry]:
+        """Write this rank's shards (the live ones, or ``staged``) under ``url`` (the snapshot's prefix), DCP's
+        collectives over ``group`` (default: all ranks'); return this rank's share of the checksums of every file
+        written (all ranks' shares together name every file)."""
         try:
-            metadata = dcp.save(self._state(), storage_writer=self._writer(url))
+            metadata = dcp.save(self._state() if staged is None else staged, storage_writer=self._writer(url),
+                                process_group=group)
             files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
             return {name: self._entry(url, name) for name in files[rank::world_size]}
         except (OSError, dcp.api.CheckpointException) as exc:

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -83,7 +84,8 @@ class Snapshotter:
         # snapshot.durable.async_write, snapshot.local.async_write: stage into reused buffers, write in a thread, one at a time.
         self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
-        self._writes = BackgroundWrites(tier)
+        self._writes = BackgroundWrites(tier)  # fsdp: on every rank, each writing its shards
+        self._group: Any = None  # fsdp: the writer threads' own process group (_side_group)
         # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
         self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
                                     options) if cfg.dist.strategy == "fsdp" and tier == "durable" else None
@@ -189,18 +191,25 @@ class Snapshotter:
         mine = {"rng": capture_rng(self.ctx.device), **self.rank_state()}
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
-        written = self._write_shards(step) if self.sharded is not None else None
+        shards_async = self.sharded is not None and self.asynchronous
+        written = self._write_shards(step) if self.sharded is not None and not shards_async else None
         rank_states = gather_to_main(mine, self.ctx)
+        if shards_async:  # every rank: the write in flight finished (one at a time), this rank's shards staged
+            self._side_group()
+            self._writes.join()
+            shards = self.sharded.stage()
         outcome = None
         if self.ctx.is_main:
-            outcome = self._start_write(step, rank_states, meta, started) if self.asynchronous else \
-                self._commit(step, None if written is not None else self.model.state_dict(), self._state_dict(rank_states),
-                             meta, started, written)
+            outcome = self._start_write(step, rank_states, meta, started, shards if shards_async else None) \
+                if self.asynchronous else self._commit(step, None if written is not None else self.model.state_dict(),
+                                                       self._state_dict(rank_states), meta, started, written)
         # The one point where all ranks learn the outcome together: nobody trains on while
         # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
         committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
         if stop:
             raise StorageError(error)
+        if shards_async and not self.ctx.is_main:  # rank 0 started its write: the others write their shards alongside
+            self._writes.start(step, 0.0, lambda: self._write_shards_behind(step, shards))
         if committed and not self.ctx.is_main:
             self.last_committed = (step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and error is None:
@@ -299,18 +308,58 @@ class Snapshotter:
 
     # -- asynchronous writes: stage at the step boundary, write in the background ----------
 
-    def _start_write(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> tuple:
-        """Rank 0: wait for the write in flight, stage this step's state into reused buffers, write it in a thread."""
+    def _start_write(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float,
+                     shards: dict | None = None) -> tuple:
+        """Rank 0: wait for the write in flight, stage this step's state into reused buffers, write it in a thread.
+        fsdp (``shards``: this rank's, staged): every rank writes its shards in a thread, rank 0 commits after them."""
         self._writes.join()  # at most one in flight: staging reuses the buffers the last one wrote from
         if self._writes.failed is not None:
             return False, 0, self._writes.failed, True
         if self._lease is not None and self._lease.lost is not None:
             return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
+        if shards is not None:
+            state = self._stager.stage({STATE_OBJECT: self._state_dict(rank_states)})[STATE_OBJECT]
+            blocked_s = time.monotonic() - started
+            self._writes.start(step, blocked_s, lambda: self._write_shards_behind(step, shards, state, meta))
+            return False, 0, None, False
         staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
         blocked_s = time.monotonic() - started
         self._writes.start(
             step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
         return False, 0, None, False
+
+    def _write_shards_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
+        """fsdp with async_write, every rank's writer thread: its staged shards into the step's prefix, over a process
+        group of its own (the training thread's collectives go on meanwhile); rank 0 gathers every rank's checksums
+        and commits the manifest last, once every rank's shards are written. A rank killed meanwhile leaves no manifest."""
+        group, error = self._group, None
+        if self.ctx.is_main:
+            try:
+                self.store.clear_prefix(step)
+            except StorageError as exc:
+                error = str(exc)
+        error, mine = broadcast_from_main(error, self.ctx, group=group), {}
+        failpoints.hit("shards-write", step)  # tests: hold a writer thread before its shards are written
+        if error is None:
+            try:
+                mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step, shards, group)
+            except StorageError as exc:
+                error = str(exc)
+        shares = gather_to_main((mine, error), self.ctx, group=group)
+        if not self.ctx.is_main:
+            return False, 0, None, False  # rank 0 reports the outcome
+        errors = [error for _, error in shares if error is not None]
+        if errors:
+            stop = self.on_error == "stop"
+            return False, 0, self._fell_behind(step, StorageError(errors[0]), stop), stop
+        written = {name: entry for share, _ in shares for name, entry in share.items()}
+        return self._commit(step, None, state, meta, time.monotonic(), written)
+
+    def _side_group(self) -> Any:
+        """The process group of the fsdp writer threads, made at the first save by every rank's training thread."""
+        if self._group is None and self.ctx.distributed:
+            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.ctx.collective_timeout_s))
+        return self._group
 
     def poll(self) -> list[SnapshotReport]:
         """Rank 0, between steps: the reports of background writes finished since the last poll."""
@@ -341,6 +390,9 @@ class Snapshotter:
         if self.ctx.is_main:
             self._writes.join()
             outcome = (self.poll(), self._writes.failed)
+        elif self.sharded is not None:  # this rank's shards written (rank 0's commit waits for them)
+            self._writes.join()
+            self._writes.poll()
         reports, failed = broadcast_from_main(outcome, self.ctx)
         if failed is not None:
             self._writes.failed = failed

@@ -82,6 +82,81 @@ def test_fsdp_sigkill_mid_training_resumes_bitwise_from_every_ranks_shards(tmp_p
 
 
 @pytest.mark.torchrun
+def test_fsdp_on_s3_sigkill_mid_training_resumes_bitwise_and_the_snapshot_verifies(tmp_path, reference, s3_server, s3_bucket):
+    """The shards go through DCP's FsspecWriter to a real S3 server (SeaweedFS) and come back through its FsspecReader."""
+    ref_dir, ref = reference
+    url, options = f"s3://{s3_bucket}/run", s3_server.storage_options
+    s3 = [f"snapshot.durable.url={url}", f"snapshot.durable.storage_options.endpoint_url={s3_server.endpoint}",
+          f"snapshot.durable.storage_options.key={options['key']}", f"snapshot.durable.storage_options.secret={options['secret']}"]
+    job = launch(tmp_path, "killed", [*s3, "task.args.pause_rank=1", "task.args.pause_at_step=60"])
+    os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
+    result = finished(job)
+    assert start_steps(result.output) == [0, 50], "expected one restart, from the S3 snapshot of step 50"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+    verify = procs.launch([sys.executable, "-m", "elastictrain", "snapshots", "verify", url, "--json",
+                           *(f"--storage-option={o.removeprefix('snapshot.durable.storage_options.')}" for o in s3[1:])],
+                          log_path=tmp_path / "verify.log", env=job_env(), cwd=tmp_path)
+    assert verify.wait(TIMEOUT_S) == 0, verify.output()
+    document = json.loads(verify.output())
+    assert document["newest_step"] == 96 and document["newest_valid"] is True, document
+    objects = manifest_on(s3_server, s3_bucket, 96)["objects"]
+    assert sorted(objects) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_async_write_killed_inside_a_background_write_leaves_no_snapshot_and_resumes_bitwise(tmp_path, reference):
+    """snapshot.durable.async_write=true: every rank writes its shards in a thread; rank 0 is SIGKILLed in its writer
+    of step 75 after every rank's shards are written, before state.pt and the manifest: the restart restores step 50."""
+    _, ref = reference
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    env = {**job_env(), "ELASTICTRAIN_FAILPOINT": f"snapshot-write@75:{failpoints}"}
+    (tmp_path / "trace").mkdir()
+    overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}",
+                 "snapshot.durable.async_write=true"]
+    job = procs.launch(torchrun_command(overrides, nproc=2), log_path=tmp_path / "job.log", env=env, cwd=tmp_path)
+    writer_pid = int(procs.wait_for_file(failpoints / "failpoint-snapshot-write.pid", TIMEOUT_S, job))
+    torn = tmp_path / "run" / "snapshots" / f"step-{75:012d}"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {path.name for path in torn.iterdir()}
+    assert not (torn / "manifest.json").exists()
+    os.kill(writer_pid, signal.SIGKILL)
+    result = finished(job)
+    assert re.search(r"skipping snapshot \S+step-000000000075: no manifest", result.output), result.output[-4000:]
+    assert start_steps(result.output) == [0, 50], "expected one restart, from the snapshot of step 50"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert sorted(manifest(tmp_path / "run", 96)["objects"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_async_write_of_staged_shards_goes_on_behind_training_and_resumes_bitwise(tmp_path, reference):
+    """Rank 0's writer thread is held before it writes step 50's shards while both ranks train on to step 74 (rank 1
+    pauses there): step 50's snapshot, committed only then, must hold step 50's state (staged), not step 74's.
+    Rank 1 SIGKILLed at step 74, the restart restores step 50 and ends with the unbroken run's parameters."""
+    _, ref = reference
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    env = {**job_env(), "ELASTICTRAIN_FAILPOINT": f"shards-write@50:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "0"}
+    (tmp_path / "trace").mkdir()
+    overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}",
+                 "snapshot.durable.async_write=true", "task.args.pause_rank=1", "task.args.pause_at_step=74"]
+    job = procs.launch(torchrun_command(overrides, nproc=2), log_path=tmp_path / "job.log", env=env, cwd=tmp_path)
+    procs.wait_for_file(failpoints / "failpoint-shards-write.pid", TIMEOUT_S, job)
+    paused = procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)  # training went on meanwhile
+    assert not (tmp_path / "run" / "snapshots" / f"step-{50:012d}" / "manifest.json").exists()
+    (failpoints / "failpoint-shards-write.resume").touch()
+    job.wait_for(lambda out: "step-000000000050 committed" in out, TIMEOUT_S, "step 50's snapshot")
+    os.kill(int(paused), signal.SIGKILL)
+    result = finished(job)
+    assert start_steps(result.output) == [0, 50], "expected one restart, from the snapshot of step 50"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+
+def manifest_on(s3_server, bucket: str, step: int) -> dict:
+    return json.loads(s3_server.client().cat_file(f"{bucket}/run/step-{step:012d}/manifest.json"))
+
+
+@pytest.mark.torchrun
 def test_fsdp_corrupt_shard_skips_that_snapshot_and_resumes_bitwise_from_the_one_before(tmp_path, reference):
     ref_dir, ref = reference
     shutil.copytree(ref_dir / "run" / "snapshots", tmp_path / "run" / "snapshots")
@@ -136,7 +211,6 @@ def test_fsdp_self_healing_rolls_back_from_the_shards_and_skips_a_poisoned_batch
     ("train.virtual_shards=2", "train.virtual_shards=0"),
     ("dist.sync_batchnorm=true", "dist.sync_batchnorm=false"),
     ("snapshot.local.url=/dev/shm/x", "snapshot.local.url=null"),
-    ("snapshot.durable.async_write=true", "snapshot.durable.async_write=false"),
 ])
 def test_fsdp_with_a_setting_it_cannot_serve_is_one_line_naming_the_fix(setting, key):
     with pytest.raises(ConfigError) as raised:
