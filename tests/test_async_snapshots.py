@@ -105,10 +105,10 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
 def test_a_background_write_that_fails_for_good_stops_the_run_at_the_next_step(monkeypatch, failing_step):
     real_commit = SnapshotStore.commit
 
-    def commit(self, step, writers, meta):
+    def commit(self, step, writers, meta, written=None):
         if step == failing_step:
             raise StorageError(f"snapshot step {step} could not be written: no space left on device")
-        return real_commit(self, step, writers, meta)
+        return real_commit(self, step, writers, meta, written)
 
     monkeypatch.setattr(SnapshotStore, "commit", commit)
     url = memory_url()
