@@ -332,7 +332,10 @@ class Session:
             # instead, so the history has a record at the log steps alone, as an unbroken run's (trackers show it).
             if self.metrics.pending and state is not State.ROLLBACK and run_finished(self.state.progress, self.plan):
                 self._reduce_train_metrics()
+            interval, paused = self.metrics.interval, time.monotonic()
             self._run(state)
+            if self.metrics.interval is interval:  # an interval a snapshot falls in: its samples/s leave the pause out
+                interval.started += time.monotonic() - paused
         self._step_started = time.perf_counter()
 
     # -- the states after TRAIN ---------------------------------------------------------------
