@@ -70,7 +70,7 @@ class WeightedSums:
         self._values, self._samples = list(state["values"]), list(state["samples"])
         self._floats = list(state["values"])
 
-    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    def load_resharded(self, states: list[dict[str, Any]], rank: int) -> None:
         """Another world size: rank 0 takes every saved rank's steps (the reduced means are the same up to the
         order of the sums), the others a step of no samples, so every rank holds steps as every rank reduces."""
         names = next((state["names"] for state in states if state["names"] is not None), None)

@@ -148,7 +148,7 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
         if saved_ranks is None:  # an older snapshot: it reduced its metric sums when it was taken
             continue
         if saved_env["world_size"] != target.ctx.world_size and hasattr(component, "load_resharded"):
-            component.load_resharded(saved_ranks, target.ctx.rank, target.ctx.world_size)
+            component.load_resharded(saved_ranks, target.ctx.rank)
             continue
         if saved_env["world_size"] != target.ctx.world_size:
             raise SnapshotError(

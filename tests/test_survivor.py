@@ -94,12 +94,12 @@ def test_a_ranks_sums_read_each_value_once_and_round_trip_into_the_same_reduce()
 def test_sums_taken_at_another_world_size_go_to_rank_0_and_every_rank_holds_a_step():
     saved = [{"names": ["loss"], "values": [1.0, 2.0], "samples": [3, 3]}, {"names": ["loss"], "values": [4.0], "samples": [1]}]
     zero, other = WeightedSums(CPU), WeightedSums(CPU)
-    zero.load_resharded(saved, 0, 3)
-    other.load_resharded(saved, 2, 3)
+    zero.load_resharded(saved, 0)
+    other.load_resharded(saved, 2)
     assert zero.state_dict() == {"names": ["loss"], "values": [1.0, 2.0, 4.0], "samples": [3, 3, 1]}
     assert other.state_dict() == {"names": ["loss"], "values": [0.0], "samples": [0]} and other.steps == 1
     empty = WeightedSums(CPU)
-    empty.load_resharded([{"names": None, "values": [], "samples": []}] * 2, 1, 3)
+    empty.load_resharded([{"names": None, "values": [], "samples": []}] * 2, 1)
     assert empty.steps == 0 and empty.names is None
 
 
