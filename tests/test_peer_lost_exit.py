@@ -8,6 +8,10 @@ signal takes its default course as soon as ``fit()`` has cleaned up.
 raises when a collective breaks (``PeerLost``). An atexit handler stands for the interpreter's
 finalization, which with torch loaded took about 1 s here while torchrun waited for it
 (``benchmarks/recovery.py``'s stop column). The other errors keep a normal exit.
+
+Every other end of the program (``cli.run``: the console script and ``python -m elastictrain``) skips
+the interpreter's finalization too, after doing what of it matters: the program's non-daemon threads
+joined, the atexit handlers run, the streams flushed (``benchmarks/exit_time.py`` measures it).
 """
 
 from __future__ import annotations
@@ -101,3 +105,54 @@ def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, s
     else:  # nothing held: the exception ends the script as any exception would
         assert done.returncode == 1
         assert marker.exists()
+
+
+PROGRAM = textwrap.dedent('''
+    import atexit, sys, threading, time
+    from elastictrain import cli
+
+    directory, ending = sys.argv[1], sys.argv[2]
+
+    class Finalized:  # deleted when the interpreter tears __main__ down at its finalization
+        def __del__(self, open=open, path=directory + "/module-teardown"):  # builtins may be gone by then
+            open(path, "w").write("ran")
+
+    kept = Finalized()
+
+    def train(config_path, overrides):
+        print("trained", end="\\n")  # block-buffered: stdout is a pipe
+        def late():
+            time.sleep(0.5)
+            open(directory + "/thread", "w").write("joined")
+        threading.Thread(target=late).start()  # a non-daemon thread the task left running
+        if ending == "preempted":
+            raise SystemExit(143)
+        if ending == "bug":
+            raise KeyError("a bug")
+        return 0
+
+    cli._train = train
+    atexit.register(lambda: open(directory + "/atexit", "w").write("ran"))
+    sys.argv = ["elastictrain", "train"]
+    cli.run()
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending,code", [("done", 0), ("preempted", 143)])
+def test_the_program_ends_without_finalization_after_joining_threads_and_running_atexit(tmp_path, ending, code):
+    done = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path), ending], capture_output=True, text=True,
+                          env=job_env(), cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stdout == "trained\n" and done.stderr == ""
+    assert (tmp_path / "thread").read_text() == "joined", "a non-daemon thread is waited for, as the interpreter does"
+    assert (tmp_path / "atexit").read_text() == "ran", "the atexit handlers run, as at the interpreter's finalization"
+    assert not (tmp_path / "module-teardown").exists(), "the interpreter's module teardown was skipped"
+
+
+@pytest.mark.slow
+def test_a_bug_leaves_the_program_the_normal_way_with_its_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path), "bug"], capture_output=True, text=True,
+                          env=job_env(), cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError: 'a bug'" in done.stderr
+    assert (tmp_path / "atexit").exists() and (tmp_path / "module-teardown").exists()
