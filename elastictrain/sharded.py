@@ -11,7 +11,7 @@ verification, keep-last, ``snapshots verify`` and the fallback to the previous s
 every snapshot. DCP's own ``.metadata`` is one more object of the manifest.
 
 With ``snapshot.durable.async_write`` every rank ``stage``s its shards into CPU buffers and writes them
-from a thread (``Snapshotter._write_shards_behind``), over a process group of the writers' own.
+from a thread (``sharded_writes.py``), over a process group of the writers' own.
 
 Not DCP: the checksums. DCP writes no digest of its files, so each rank reads back the files it is
 given (an equal share of all, while they are in the page cache) and hashes them; the manifest

@@ -13,7 +13,8 @@ snapshots are behind, and the next interval tries again. A write that fails for 
 full, permission denied) stops the run cleanly by default (``snapshot.durable.on_error``).
 
 Its helpers, each a module: ``background_write.py`` (``snapshot.durable.async_write``: one write in
-flight on a thread) and ``lease_keeper.py`` (rank 0 holds the durable store's lease). It imports
+flight on a thread), ``lease_keeper.py`` (rank 0 holds the durable store's lease) and
+``sharded_writes.py`` (``dist.strategy=fsdp``: every rank writes its shards). It imports
 nothing of the loop: the loop hands it the objects to save.
 """
 
@@ -24,7 +25,6 @@ import logging
 import os
 import shutil
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from .lease_keeper import LeaseKeeper
 from .manifest import Manifest
 from .restore import Restored, restore_newest
 from .sharded import SHARDED, ShardedState
+from .sharded_writes import ShardedWrites
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, writer_for
 from .staging import Stager
 from .storage import SnapshotStore
@@ -85,10 +86,10 @@ class Snapshotter:
         self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
         self._writes = BackgroundWrites(tier)  # fsdp: on every rank, each writing its shards
-        self._group: Any = None  # fsdp: the writer threads' own process group (_side_group)
         # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
         self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
                                     options) if cfg.dist.strategy == "fsdp" and tier == "durable" else None
+        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if self.sharded is not None else None
 
     @property
     def url(self) -> str:
@@ -192,10 +193,10 @@ class Snapshotter:
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
         shards_async = self.sharded is not None and self.asynchronous
-        written = self._write_shards(step) if self.sharded is not None and not shards_async else None
+        written = self.shard_writes.write(step) if self.sharded is not None and not shards_async else None
         rank_states = gather_to_main(mine, self.ctx)
         if shards_async:  # every rank: the write in flight finished (one at a time), this rank's shards staged
-            self._side_group()
+            self.shard_writes.side_group()
             self._writes.join()
             shards = self.sharded.stage()
         outcome = None
@@ -209,27 +210,12 @@ class Snapshotter:
         if stop:
             raise StorageError(error)
         if shards_async and not self.ctx.is_main:  # rank 0 started its write: the others write their shards alongside
-            self._writes.start(step, 0.0, lambda: self._write_shards_behind(step, shards))
+            self._writes.start(step, 0.0, lambda: self._commit_behind(step, shards))
         if committed and not self.ctx.is_main:
             self.last_committed = (step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and error is None:
             return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
-
-    def _write_shards(self, step: int) -> dict | None:
-        """fsdp, every rank: write this rank's shards into the step's prefix; rank 0 returns every rank's checksums."""
-        error = None
-        if self.ctx.is_main:
-            try:  # before any rank writes: DCP's first collective (its plan) waits for rank 0 to get there
-                self.store.clear_prefix(step)
-            except StorageError as exc:
-                error = str(exc)
-        error = broadcast_from_main(error, self.ctx)
-        if error is not None:
-            raise StorageError(error)
-        mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step)
-        shares = gather_to_main(mine, self.ctx)
-        return {name: entry for share in shares for name, entry in share.items()} if self.ctx.is_main else None
 
     def _save_local(self, step: int, mine: dict, meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node.
@@ -320,7 +306,7 @@ class Snapshotter:
         if shards is not None:
             state = self._stager.stage({STATE_OBJECT: self._state_dict(rank_states)})[STATE_OBJECT]
             blocked_s = time.monotonic() - started
-            self._writes.start(step, blocked_s, lambda: self._write_shards_behind(step, shards, state, meta))
+            self._writes.start(step, blocked_s, lambda: self._commit_behind(step, shards, state, meta))
             return False, 0, None, False
         staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
         blocked_s = time.monotonic() - started
@@ -328,38 +314,16 @@ class Snapshotter:
             step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
         return False, 0, None, False
 
-    def _write_shards_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
-        """fsdp with async_write, every rank's writer thread: its staged shards into the step's prefix, over a process
-        group of its own (the training thread's collectives go on meanwhile); rank 0 gathers every rank's checksums
-        and commits the manifest last, once every rank's shards are written. A rank killed meanwhile leaves no manifest."""
-        group, error = self._group, None
-        if self.ctx.is_main:
-            try:
-                self.store.clear_prefix(step)
-            except StorageError as exc:
-                error = str(exc)
-        error, mine = broadcast_from_main(error, self.ctx, group=group), {}
-        failpoints.hit("shards-write", step)  # tests: hold a writer thread before its shards are written
-        if error is None:
-            try:
-                mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step, shards, group)
-            except StorageError as exc:
-                error = str(exc)
-        shares = gather_to_main((mine, error), self.ctx, group=group)
+    def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
+        """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
+        commits the manifest last, once every rank's shards are written."""
+        written, error = self.shard_writes.write_behind(step, shards)
         if not self.ctx.is_main:
             return False, 0, None, False  # rank 0 reports the outcome
-        errors = [error for _, error in shares if error is not None]
-        if errors:
+        if error is not None:
             stop = self.on_error == "stop"
-            return False, 0, self._fell_behind(step, StorageError(errors[0]), stop), stop
-        written = {name: entry for share, _ in shares for name, entry in share.items()}
+            return False, 0, self._fell_behind(step, StorageError(error), stop), stop
         return self._commit(step, None, state, meta, time.monotonic(), written)
-
-    def _side_group(self) -> Any:
-        """The process group of the fsdp writer threads, made at the first save by every rank's training thread."""
-        if self._group is None and self.ctx.distributed:
-            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.ctx.collective_timeout_s))
-        return self._group
 
     def poll(self) -> list[SnapshotReport]:
         """Rank 0, between steps: the reports of background writes finished since the last poll."""
