@@ -37,6 +37,7 @@ from .collectives import all_gather, broadcast_from_main, gather_to_main
 from .dist import DistContext
 from .errors import ElastictrainError, StorageError, StorageUnavailable
 from .events import SnapshotReport
+from .fast_shards import FastShards
 from .lease_keeper import LeaseKeeper
 from .manifest import Manifest
 from .restore import Restored, restore_newest
@@ -76,8 +77,9 @@ class Snapshotter:
         self.ctx = ctx
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
-        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,
-                                   recycle_keep_last=self.keep_last if tier == "local" else 0,
+        fsdp = cfg.dist.strategy == "fsdp"
+        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,  # fsdp: no recycling (fast_shards.py says why)
+                                   recycle_keep_last=self.keep_last if tier == "local" and not fsdp else 0,
                                    url_key="snapshot.durable.url" if tier == "durable" else "snapshot.local.url")
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
@@ -86,10 +88,12 @@ class Snapshotter:
         self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
         self._writes = BackgroundWrites(tier)  # fsdp: on every rank, each writing its shards
-        # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
+        # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py);
+        # into the durable store (sharded_writes.py), or into each node's fast tier and its peer node's (fast_shards.py).
         self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
-                                    options) if cfg.dist.strategy == "fsdp" and tier == "durable" else None
-        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if self.sharded is not None else None
+                                    options) if fsdp else None
+        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if fsdp and tier == "durable" else None
+        self.fast_shards = FastShards(self.sharded, ctx) if fsdp and tier == "local" else None
 
     @property
     def url(self) -> str:
@@ -224,6 +228,8 @@ class Snapshotter:
         the writers' refusals (the previous copy failed for good, or the first does not fit).
         """
         refused = None
+        if self.fast_shards is not None:
+            self.fast_shards.measure()  # every rank, at the first copy: the ranks' nodes and shard sizes (a collective)
         if self.is_writer:
             self._writes.join()  # the previous fast copy: a crash of its writer stops every rank now
             if self._writes.failed is not None:
@@ -242,12 +248,27 @@ class Snapshotter:
             if self._writes.crash is not None:
                 raise self._writes.crash  # a bug in the writer keeps its traceback on its rank
             raise getattr(errors, refusals[0][0])(refusals[0][1])
+        if self.fast_shards is not None:
+            return self._save_node_copy(step, rank_states, meta, started)
         if not self.is_writer:
             return None
         if self.asynchronous:
             self._start_write(step, rank_states, meta, started)
             return None
         committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+
+    def _save_node_copy(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
+        """fsdp: every rank writes its shards into its node's copy and its peer node's (``fast_shards.py``); each node's
+        writer commits what its node holds, or warns why it cannot."""
+        copy = self.fast_shards.write(self.store, step, self.is_writer)
+        if not self.is_writer:
+            return None
+        if copy.error is not None:
+            error = self._fell_behind(step, StorageError(copy.error), stop=False)
+            return SnapshotReport(step, False, time.monotonic() - started, 0, error, tier=self.tier)
+        committed, size, error, _ = self._commit(step, None, self._state_dict(rank_states), {**meta, **copy.meta}, started,
+                                                 copy.written)
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
     def save_survivor(self, step: int, rank_states: list[dict], meta: dict[str, Any]) -> SnapshotReport | None:
@@ -279,7 +300,8 @@ class Snapshotter:
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""
-        state_bytes = _tensor_bytes(self.model.state_dict()) + _tensor_bytes(self._state_dict(rank_states))
+        model_bytes = self.fast_shards.node_bytes if self.fast_shards is not None else _tensor_bytes(self.model.state_dict())
+        state_bytes = model_bytes + _tensor_bytes(self._state_dict(rank_states))
         needed = state_bytes * (self.keep_last + 1)  # the kept copies and the one being written
         path = self.store.root
         while not os.path.exists(path) and os.path.dirname(path) != path:
