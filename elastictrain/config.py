@@ -290,8 +290,8 @@ class Config(_Section):
         conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
                       "train.virtual_shards=0"),
                      (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
-                     (self.snapshot.local.url, "the fast tier snapshot.local.url (not built for sharded snapshots yet)",
-                      "snapshot.local.url=null")]
+                     (self.snapshot.local.async_write, "snapshot.local.async_write (sharded fast copies are written "
+                      "in the step)", "snapshot.local.async_write=false")]
         for value, what, fix in conflicts:
             if value:
                 raise ValueError(f"dist.strategy=fsdp cannot be combined with {what}; set {fix}, or dist.strategy=ddp")
