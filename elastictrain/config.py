@@ -107,7 +107,8 @@ class DurableTierConfig(_Section):
 
 class LocalTierConfig(_Section):
     # snapshot.local, the fast tier: each node keeps its own full copies in node memory or on a node-local
-    # disk, written by the node's local rank 0; a restart restores the newest snapshot any node or the
+    # disk, written by the node's local rank 0 (dist.strategy=fsdp: every rank writes its shards there and into
+    # its peer node's copy, elastictrain/fast_shards.py); a restart restores the newest snapshot any node or the
     # durable store holds. Unlike the durable tier it takes no storage options and no lease, a failed
     # copy is a warning and training goes on (there is no on_error), and a path that does not answer is
     # retried for at most min(2 s, snapshot.durable.retry_for_s).
@@ -128,7 +129,7 @@ class LocalTierConfig(_Section):
     async_write: bool = False
     # When a worker dies inside a step, the node's lowest surviving rank writes a fast copy of the step
     # before it (elastictrain/survivor.py), so the restart redoes only that step. Single-node groups,
-    # models without floating-point buffers; each rank leaves ~12 KB per step in node memory.
+    # models without floating-point buffers, not dist.strategy=fsdp; each rank leaves ~12 KB per step in node memory.
     survivor_copies: bool = True
 
 
