@@ -234,6 +234,7 @@ def test_fsdp_sigkill_with_the_fast_tier_restores_every_ranks_shards_from_the_no
         result.output[-4000:]
     assert start_steps(result.output) == [0, 55], "expected one restart, from the fast copy of step 55"
     assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert "no survivor copies (snapshot.local.survivor_copies): dist.strategy=fsdp: the dead rank's shards" in result.output
 
 
 @pytest.mark.torchrun
