@@ -108,21 +108,20 @@ class FastShards:
             shards = self.sharded.write(prefix, step)  # DCP's errors reach every rank together
         except StorageError as exc:
             return NodeCopy(error=str(exc))
-        held, error = {}, None
+        # This rank's files read back once (DCP records no checksums; they are in the page cache): hashed, and sent on.
+        own, error = {}, None
         try:
-            own = [name for name in shards if origin_rank(name) == self.ctx.rank]
-            held = {name: self.sharded.checksum(prefix, name) for name in own}
-            if self.ctx.is_main:
-                held[METADATA] = self.sharded.checksum(prefix, METADATA)
+            own = {name: _read(prefix, name) for name in shards if origin_rank(name) == self.ctx.rank}
+            metadata = {METADATA: _read(prefix, METADATA)} if self.ctx.is_main else {}
         except OSError as exc:
-            error = f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
+            own, metadata, error = {}, {}, f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
+        held = {name: _entry(data) for name, data in {**own, **metadata}.items()}
         # DCP's coordinator (rank 0) wrote .metadata on its node alone; every other node's writer keeps its bytes too.
-        metadata = {METADATA: _read(prefix, METADATA)} if self.ctx.is_main and error is None else {}
         sent = broadcast_bytes_from_main(metadata if self.ctx.is_main else None, self.ctx).get(METADATA)
         if is_writer and node != nodes[0] and error is None:
             error, held[METADATA] = ("rank 0 could not read back DCP's .metadata", None) if sent is None \
                 else _write(prefix, METADATA, sent)
-        received, peer_error = self._exchange(prefix, own if error is None else [], peers)
+        received, peer_error = self._exchange(prefix, own, peers)
         held.update(received)
         error = error or peer_error
         shares = all_gather((node, held, error), self.ctx)
@@ -133,14 +132,11 @@ class FastShards:
                      "peer_files": sorted(n for n in copy.written if origin_rank(n) is not None and nodes[origin_rank(n)] != node)}
         return copy
 
-    def _exchange(self, prefix: str, own: list[str], peers: list[int | None]) -> tuple[dict[str, ObjectEntry], str | None]:
-        """Send this rank's shard files to its peer, receive those of the ranks it keeps; (what it received, why not)."""
+    def _exchange(self, prefix: str, own: dict[str, bytes], peers: list[int | None]) -> tuple[dict[str, ObjectEntry], str | None]:
+        """Send this rank's shard files (``own``: their bytes) to its peer, receive those of the ranks it keeps into
+        this node's ``prefix``; (what it received, why not)."""
         senders = [rank for rank, peer in enumerate(peers) if peer == self.ctx.rank and rank != self.ctx.rank]
-        mine_to_send, error = {}, None
-        try:
-            mine_to_send = {name: _read(prefix, name) for name in own} if peers[self.ctx.rank] is not None else {}
-        except OSError as exc:  # the peer then receives nothing, and its node's copy lacks this rank's shards
-            error = f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
+        mine_to_send = own if peers[self.ctx.rank] is not None else {}
         offered = all_gather({name: len(data) for name, data in mine_to_send.items()}, self.ctx) \
             if self.ctx.distributed and peers[self.ctx.rank] is not None else [{}] * self.ctx.world_size
         works, sending, buffers = [], [], []
@@ -154,7 +150,7 @@ class FastShards:
                 buffers.append((name, buffer))
         for work in works:
             work.wait()
-        received = {}
+        received, error = {}, None
         for name, buffer in buffers:
             if error is None:
                 error, received[name] = _write(prefix, name, buffer.cpu().numpy().tobytes())
@@ -179,4 +175,8 @@ def _write(prefix: str, name: str, data: bytes) -> tuple[str | None, ObjectEntry
             os.fsync(handle.fileno())
     except OSError as exc:
         return f"{name} could not be written into {prefix}: {exc}", None
-    return None, ObjectEntry(size=len(data), algorithm=CHECKSUM, digest=CHECKSUMS[CHECKSUM](data).hexdigest())
+    return None, _entry(data)
+
+
+def _entry(data: bytes) -> ObjectEntry:
+    return ObjectEntry(size=len(data), algorithm=CHECKSUM, digest=CHECKSUMS[CHECKSUM](data).hexdigest())
