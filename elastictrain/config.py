@@ -107,7 +107,8 @@ class DurableTierConfig(_Section):
 
 class LocalTierConfig(_Section):
     # snapshot.local, the fast tier: each node keeps its own full copies in node memory or on a node-local
-    # disk, written by the node's local rank 0; a restart restores the newest snapshot any node or the
+    # disk, written by the node's local rank 0 (dist.strategy=fsdp: every rank writes its shards there and into
+    # its peer node's copy, elastictrain/fast_shards.py); a restart restores the newest snapshot any node or the
     # durable store holds. Unlike the durable tier it takes no storage options and no lease, a failed
     # copy is a warning and training goes on (there is no on_error), and a path that does not answer is
     # retried for at most min(2 s, snapshot.durable.retry_for_s).
@@ -128,7 +129,7 @@ class LocalTierConfig(_Section):
     async_write: bool = False
     # When a worker dies inside a step, the node's lowest surviving rank writes a fast copy of the step
     # before it (elastictrain/survivor.py), so the restart redoes only that step. Single-node groups,
-    # models without floating-point buffers; each rank leaves ~12 KB per step in node memory.
+    # models without floating-point buffers, not dist.strategy=fsdp; each rank leaves ~12 KB per step in node memory.
     survivor_copies: bool = True
 
 
@@ -290,8 +291,8 @@ class Config(_Section):
         conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
                       "train.virtual_shards=0"),
                      (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
-                     (self.snapshot.local.url, "the fast tier snapshot.local.url (not built for sharded snapshots yet)",
-                      "snapshot.local.url=null")]
+                     (self.snapshot.local.async_write, "snapshot.local.async_write (sharded fast copies are written "
+                      "in the step)", "snapshot.local.async_write=false")]
         for value, what, fix in conflicts:
             if value:
                 raise ValueError(f"dist.strategy=fsdp cannot be combined with {what}; set {fix}, or dist.strategy=ddp")

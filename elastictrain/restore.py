@@ -2,7 +2,8 @@
 
 With a fast tier, every node offers the newest copy it holds and verifies; the durable store is
 read only when it holds a newer one. The bytes travel from the rank that read them to every
-other rank, so every rank loads the very same snapshot.
+other rank, so every rank loads the very same snapshot. With ``dist.strategy=fsdp`` the nodes
+offer the shard files they hold, and a copy they hold together is restored (``fast_restore.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 
-from . import errors
+from . import errors, fast_restore
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
@@ -49,16 +50,21 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     """
     rollback = bool(keep)
     resume = durable.cfg.snapshot.resume or rollback
-    local_steps, local_found = [-1], None
+    local_steps, local_found, shard_offers, shard_copy = [-1], None, {}, None
     if fast is not None:
         refused = None if rollback else fast.join_run(run_id)
-        if refused is None:
-            local_found = fast.newest_local() if resume else fast.clear()
-        offer = (local_found[0].step if local_found else -1, durable.ctx.env.node_rank, refused)
-        local_steps, nodes, refusals = zip(*all_gather(offer, durable.ctx))
+        if refused is None and not resume:
+            fast.clear()
+        elif refused is None and fast.sharded is not None:  # fsdp: each node offers the files it holds (fast_restore.py)
+            shard_offers = fast_restore.offer(fast)
+        elif refused is None:
+            local_found = fast.newest_local()
+        offer = (local_found[0].step if local_found else -1, durable.ctx.env.node_rank, refused, shard_offers)
+        local_steps, nodes, refusals, shard_offers = zip(*all_gather(offer, durable.ctx))
         for refusal in filter(None, refusals):  # every rank stops with the first node's line
             raise ConfigError(refusal)
-    newest_local = max(local_steps)
+        shard_copy = fast_restore.choose(shard_offers) if fast.sharded is not None else None
+    newest_local = shard_copy[0] if shard_copy else max(local_steps)
     found, error = None, None
     if durable.ctx.is_main:
         try:
@@ -89,6 +95,13 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
         objects = broadcast_bytes_from_main(sent, durable.ctx)
         load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
         durable.last_committed = (manifest.step, manifest.created_unix)
+    elif shard_copy is not None:  # fsdp: the files the nodes hold together, brought to every node, each rank reading its part
+        copies = fast_restore.FastShardRestore(fast, durable.ctx, shard_copy, shard_offers, list(nodes))
+        manifest, objects, staged = copies.bring()
+        load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep, staged)
+        copies.done()
+        log.info("%s step %d from the node-local tier: %s", "rolled back to" if rollback else "restored", manifest.step,
+                 copies.sources())
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
@@ -104,9 +117,9 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
 
 
 def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str,
-                  keep: tuple[str, ...] = ()) -> None:
+                  keep: tuple[str, ...] = (), shards_url: str | None = None) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
-    after the resume checks."""
+    after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store)."""
     sharded = bool(manifest.meta.get("sharded"))
     if sharded != (target.sharded is not None):
         strategy = "fsdp" if sharded else "ddp"
@@ -124,7 +137,7 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
             f"use the elastictrain version that wrote it, or {start_fresh_advice(target.cfg)} — nothing was deleted"
         )
     if sharded:  # the model and optimizers: every rank reads its part of the shards, at any world size
-        target.sharded.load(target.store.prefix_url(manifest.step), where)
+        target.sharded.load(shards_url or target.store.prefix_url(manifest.step), where)
     else:
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)

@@ -11,7 +11,7 @@ verification, keep-last, ``snapshots verify`` and the fallback to the previous s
 every snapshot. DCP's own ``.metadata`` is one more object of the manifest.
 
 With ``snapshot.durable.async_write`` every rank ``stage``s its shards into CPU buffers and writes them
-from a thread (``Snapshotter._write_shards_behind``), over a process group of the writers' own.
+from a thread (``sharded_writes.py``), over a process group of the writers' own.
 
 Not DCP: the checksums. DCP writes no digest of its files, so each rank reads back the files it is
 given (an equal share of all, while they are in the page cache) and hashes them; the manifest
@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from .config import is_local_url
 from .errors import SnapshotError, StorageError
@@ -63,14 +64,28 @@ class ShardedState:
         """Write this rank's shards (the live ones, or ``staged``) under ``url`` (the snapshot's prefix), DCP's
         collectives over ``group`` (default: all ranks'); return this rank's share of the checksums of every file
         written (all ranks' shares together name every file)."""
+        files = self.write(url, step, staged, group)
+        try:
+            return {name: self.checksum(url, name) for name in [*files, ".metadata"][rank::world_size]}
+        except OSError as exc:
+            raise StorageError(f"the sharded snapshot of step {step} could not be read back from {url} "
+                               f"({_one_line(exc)}) — the previous snapshot is intact") from None
+
+    def write(self, url: str, step: int, staged: dict[str, Any] | None = None, group: Any = None) -> list[str]:
+        """Every rank: write this rank's shards under ``url`` (DCP's collective save; the coordinator writes
+        ``.metadata``); return the names of every rank's shard files. StorageError on every rank if one failed."""
         try:
             metadata = dcp.save(self._state() if staged is None else staged, storage_writer=self._writer(url),
                                 process_group=group)
-            files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
-            return {name: self._entry(url, name) for name in files[rank::world_size]}
+            return sorted({info.relative_path for info in metadata.storage_data.values()})
         except (OSError, dcp.api.CheckpointException) as exc:
             raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({_one_line(exc)}); "
                                "check free space and permissions — the previous snapshot is intact") from None
+
+    def local_bytes(self) -> int:
+        """The bytes of this rank's own shards of the model and optimizers (what its shard files hold, about)."""
+        tensors = [t for part in self._state().values() for t in _tensors(part)]
+        return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
     def load(self, url: str, where: str) -> None:
         """Read this rank's part of the shards under ``url`` (any world size) into the model and optimizers."""
@@ -94,7 +109,8 @@ class ShardedState:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
         return FsspecReader(url, **self.storage_options)
 
-    def _entry(self, url: str, name: str) -> ObjectEntry:
+    def checksum(self, url: str, name: str) -> ObjectEntry:
+        """The size and checksum of the file ``name`` under ``url``, read back (DCP records none)."""
         import fsspec
 
         hasher, size = CHECKSUMS[CHECKSUM](), 0
@@ -119,6 +135,16 @@ def consolidated_model(url: str, storage_options: dict | None = None) -> dict[st
     reader = ShardedState(nn.Module(), [], storage_options)._reader(url)
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in _tensors(value)]
+    return []
 
 
 def _one_line(exc: BaseException) -> str:

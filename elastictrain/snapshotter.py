@@ -13,7 +13,8 @@ snapshots are behind, and the next interval tries again. A write that fails for 
 full, permission denied) stops the run cleanly by default (``snapshot.durable.on_error``).
 
 Its helpers, each a module: ``background_write.py`` (``snapshot.durable.async_write``: one write in
-flight on a thread) and ``lease_keeper.py`` (rank 0 holds the durable store's lease). It imports
+flight on a thread), ``lease_keeper.py`` (rank 0 holds the durable store's lease) and
+``sharded_writes.py`` (``dist.strategy=fsdp``: every rank writes its shards). It imports
 nothing of the loop: the loop hands it the objects to save.
 """
 
@@ -24,7 +25,6 @@ import logging
 import os
 import shutil
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,10 +37,12 @@ from .collectives import all_gather, broadcast_from_main, gather_to_main
 from .dist import DistContext
 from .errors import ElastictrainError, StorageError, StorageUnavailable
 from .events import SnapshotReport
+from .fast_shards import FastShards
 from .lease_keeper import LeaseKeeper
 from .manifest import Manifest
 from .restore import Restored, restore_newest
 from .sharded import SHARDED, ShardedState
+from .sharded_writes import ShardedWrites
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, writer_for
 from .staging import Stager
 from .storage import SnapshotStore
@@ -75,8 +77,9 @@ class Snapshotter:
         self.ctx = ctx
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
-        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,
-                                   recycle_keep_last=self.keep_last if tier == "local" else 0,
+        fsdp = cfg.dist.strategy == "fsdp"
+        self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,  # fsdp: no recycling (fast_shards.py says why)
+                                   recycle_keep_last=self.keep_last if tier == "local" and not fsdp else 0,
                                    url_key="snapshot.durable.url" if tier == "durable" else "snapshot.local.url")
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
@@ -85,10 +88,12 @@ class Snapshotter:
         self.asynchronous = (cfg.snapshot.durable if tier == "durable" else cfg.snapshot.local).async_write
         self._stager = Stager()
         self._writes = BackgroundWrites(tier)  # fsdp: on every rank, each writing its shards
-        self._group: Any = None  # fsdp: the writer threads' own process group (_side_group)
-        # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
+        # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py);
+        # into the durable store (sharded_writes.py), or into each node's fast tier and its peer node's (fast_shards.py).
         self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
-                                    options) if cfg.dist.strategy == "fsdp" and tier == "durable" else None
+                                    options) if fsdp else None
+        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if fsdp and tier == "durable" else None
+        self.fast_shards = FastShards(self.sharded, ctx) if fsdp and tier == "local" else None
 
     @property
     def url(self) -> str:
@@ -192,10 +197,10 @@ class Snapshotter:
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
         shards_async = self.sharded is not None and self.asynchronous
-        written = self._write_shards(step) if self.sharded is not None and not shards_async else None
+        written = self.shard_writes.write(step) if self.sharded is not None and not shards_async else None
         rank_states = gather_to_main(mine, self.ctx)
         if shards_async:  # every rank: the write in flight finished (one at a time), this rank's shards staged
-            self._side_group()
+            self.shard_writes.side_group()
             self._writes.join()
             shards = self.sharded.stage()
         outcome = None
@@ -209,27 +214,12 @@ class Snapshotter:
         if stop:
             raise StorageError(error)
         if shards_async and not self.ctx.is_main:  # rank 0 started its write: the others write their shards alongside
-            self._writes.start(step, 0.0, lambda: self._write_shards_behind(step, shards))
+            self._writes.start(step, 0.0, lambda: self._commit_behind(step, shards))
         if committed and not self.ctx.is_main:
             self.last_committed = (step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and error is None:
             return None
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
-
-    def _write_shards(self, step: int) -> dict | None:
-        """fsdp, every rank: write this rank's shards into the step's prefix; rank 0 returns every rank's checksums."""
-        error = None
-        if self.ctx.is_main:
-            try:  # before any rank writes: DCP's first collective (its plan) waits for rank 0 to get there
-                self.store.clear_prefix(step)
-            except StorageError as exc:
-                error = str(exc)
-        error = broadcast_from_main(error, self.ctx)
-        if error is not None:
-            raise StorageError(error)
-        mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step)
-        shares = gather_to_main(mine, self.ctx)
-        return {name: entry for share in shares for name, entry in share.items()} if self.ctx.is_main else None
 
     def _save_local(self, step: int, mine: dict, meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node.
@@ -238,6 +228,8 @@ class Snapshotter:
         the writers' refusals (the previous copy failed for good, or the first does not fit).
         """
         refused = None
+        if self.fast_shards is not None:
+            self.fast_shards.measure()  # every rank, at the first copy: the ranks' nodes and shard sizes (a collective)
         if self.is_writer:
             self._writes.join()  # the previous fast copy: a crash of its writer stops every rank now
             if self._writes.failed is not None:
@@ -256,12 +248,27 @@ class Snapshotter:
             if self._writes.crash is not None:
                 raise self._writes.crash  # a bug in the writer keeps its traceback on its rank
             raise getattr(errors, refusals[0][0])(refusals[0][1])
+        if self.fast_shards is not None:
+            return self._save_node_copy(step, rank_states, meta, started)
         if not self.is_writer:
             return None
         if self.asynchronous:
             self._start_write(step, rank_states, meta, started)
             return None
         committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+
+    def _save_node_copy(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
+        """fsdp: every rank writes its shards into its node's copy and its peer node's (``fast_shards.py``); each node's
+        writer commits what its node holds, or warns why it cannot."""
+        copy = self.fast_shards.write(self.store, step, self.is_writer)
+        if not self.is_writer:
+            return None
+        if copy.error is not None:
+            error = self._fell_behind(step, StorageError(copy.error), stop=False)
+            return SnapshotReport(step, False, time.monotonic() - started, 0, error, tier=self.tier)
+        committed, size, error, _ = self._commit(step, None, self._state_dict(rank_states), {**meta, **copy.meta}, started,
+                                                 copy.written)
         return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
 
     def save_survivor(self, step: int, rank_states: list[dict], meta: dict[str, Any]) -> SnapshotReport | None:
@@ -293,7 +300,8 @@ class Snapshotter:
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""
-        state_bytes = _tensor_bytes(self.model.state_dict()) + _tensor_bytes(self._state_dict(rank_states))
+        model_bytes = self.fast_shards.node_bytes if self.fast_shards is not None else _tensor_bytes(self.model.state_dict())
+        state_bytes = model_bytes + _tensor_bytes(self._state_dict(rank_states))
         needed = state_bytes * (self.keep_last + 1)  # the kept copies and the one being written
         path = self.store.root
         while not os.path.exists(path) and os.path.dirname(path) != path:
@@ -320,7 +328,7 @@ class Snapshotter:
         if shards is not None:
             state = self._stager.stage({STATE_OBJECT: self._state_dict(rank_states)})[STATE_OBJECT]
             blocked_s = time.monotonic() - started
-            self._writes.start(step, blocked_s, lambda: self._write_shards_behind(step, shards, state, meta))
+            self._writes.start(step, blocked_s, lambda: self._commit_behind(step, shards, state, meta))
             return False, 0, None, False
         staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
         blocked_s = time.monotonic() - started
@@ -328,38 +336,16 @@ class Snapshotter:
             step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
         return False, 0, None, False
 
-    def _write_shards_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
-        """fsdp with async_write, every rank's writer thread: its staged shards into the step's prefix, over a process
-        group of its own (the training thread's collectives go on meanwhile); rank 0 gathers every rank's checksums
-        and commits the manifest last, once every rank's shards are written. A rank killed meanwhile leaves no manifest."""
-        group, error = self._group, None
-        if self.ctx.is_main:
-            try:
-                self.store.clear_prefix(step)
-            except StorageError as exc:
-                error = str(exc)
-        error, mine = broadcast_from_main(error, self.ctx, group=group), {}
-        failpoints.hit("shards-write", step)  # tests: hold a writer thread before its shards are written
-        if error is None:
-            try:
-                mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step, shards, group)
-            except StorageError as exc:
-                error = str(exc)
-        shares = gather_to_main((mine, error), self.ctx, group=group)
+    def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
+        """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
+        commits the manifest last, once every rank's shards are written."""
+        written, error = self.shard_writes.write_behind(step, shards)
         if not self.ctx.is_main:
             return False, 0, None, False  # rank 0 reports the outcome
-        errors = [error for _, error in shares if error is not None]
-        if errors:
+        if error is not None:
             stop = self.on_error == "stop"
-            return False, 0, self._fell_behind(step, StorageError(errors[0]), stop), stop
-        written = {name: entry for share, _ in shares for name, entry in share.items()}
+            return False, 0, self._fell_behind(step, StorageError(error), stop), stop
         return self._commit(step, None, state, meta, time.monotonic(), written)
-
-    def _side_group(self) -> Any:
-        """The process group of the fsdp writer threads, made at the first save by every rank's training thread."""
-        if self._group is None and self.ctx.distributed:
-            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.ctx.collective_timeout_s))
-        return self._group
 
     def poll(self) -> list[SnapshotReport]:
         """Rank 0, between steps: the reports of background writes finished since the last poll."""

@@ -144,6 +144,8 @@ class SurvivorCopies:
             return "there is no fast tier (snapshot.local.url)"
         if world_size < 2:
             return "a single worker has no survivor"
+        if fast.sharded is not None:
+            return "dist.strategy=fsdp: the dead rank's shards are gone with it; the restart reads the newest copy"
         if local_world_size is None:
             return "the launcher does not say how many ranks share this node (torchrun's LOCAL_WORLD_SIZE)"
         if local_world_size != world_size:

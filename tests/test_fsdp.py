@@ -21,14 +21,16 @@ import torch
 from filelock import FileLock
 from torch import nn
 
-from elastictrain import fsdp
+from elastictrain import fast_restore, fast_shards, fsdp
 from elastictrain.config import load_config
 from elastictrain.errors import ConfigError
+from elastictrain.manifest import Manifest
 from elastictrain.snapshot import params_sha256
 from elastictrain.tasks import spirals
 
 from tests.conftest import job_env, parse_job, torchrun_command
 from tests.helpers import procs
+from tests.helpers.agents import NodeGroup
 from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps
 
 FSDP = [*JOB, "dist.strategy=fsdp", "train.max_epochs=2", "task.args.val_samples=101"]  # 96 steps at 2 workers
@@ -207,10 +209,106 @@ def test_fsdp_self_healing_rolls_back_from_the_shards_and_skips_a_poisoned_batch
     assert result.summary["step"] == "47" and start_steps(result.output) == [0]
 
 
+FAST = ["snapshot.local.every_steps=5"]  # durable copies at 25, 50, 75; fast ones every 5 steps between them
+RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}  # as tests/test_elastic.py
+
+
+def copy_files(directory, step: int) -> list[str]:
+    """The files of a node's fast copy of ``step`` (``directory``: snapshot.local.url; one run's copies in it)."""
+    (run_copies,) = (directory / "default").iterdir()  # <run.name>/<run id>
+    return sorted(path.name for path in (run_copies / f"step-{step:012d}").iterdir())
+
+
+@pytest.mark.torchrun
+def test_fsdp_sigkill_with_the_fast_tier_restores_every_ranks_shards_from_the_node_bitwise(tmp_path, reference):
+    """Rank 1 is SIGKILLed in step 60: the restart reads the node's fast copy of step 55 (each rank's own DCP file,
+    DCP's .metadata, state.pt), newer than the durable step 50, and ends with the unbroken run's parameters."""
+    _, ref = reference
+    job = launch(tmp_path, "killed", [f"snapshot.local.url={tmp_path}/shm", *FAST, "task.args.pause_rank=1",
+                                      "task.args.pause_at_step=60"])
+    paused = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
+    assert copy_files(tmp_path / "shm", 55) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "state.pt"]
+    os.kill(paused, signal.SIGKILL)
+    result = finished(job)
+    assert "restored step 55 from the node-local tier: node 0's shards (ranks 0, 1) from node 0's own copy" in result.output, \
+        result.output[-4000:]
+    assert start_steps(result.output) == [0, 55], "expected one restart, from the fast copy of step 55"
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert "no survivor copies (snapshot.local.survivor_copies): dist.strategy=fsdp: the dead rank's shards" in result.output
+
+
+@pytest.mark.torchrun
+def test_fsdp_corrupt_shard_in_a_fast_copy_skips_that_copy_and_restores_the_one_before_bitwise(tmp_path, reference):
+    """While rank 1 is paused in step 60, one byte of rank 0's shard in the fast copy of step 55 is flipped: the restart
+    skips that copy (no node holds the file intact) and restores the copy of step 50."""
+    _, ref = reference
+    job = launch(tmp_path, "killed", [f"snapshot.local.url={tmp_path}/shm", *FAST, "task.args.pause_rank=1",
+                                      "task.args.pause_at_step=60"])
+    paused = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
+    (shard,) = (tmp_path / "shm" / "default").glob(f"*/step-{55:012d}/__0_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    os.kill(paused, signal.SIGKILL)
+    result = finished(job)
+    assert re.search(r"WARNING skipping __0_0.distcp of the node-local copy \S+step-000000000055: xxh3_128 mismatch",
+                     result.output), result.output[-4000:]
+    assert "restored step 50 from the node-local tier" in result.output
+    assert start_steps(result.output) == [0, 50]
+    assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+
+
+@pytest.mark.torchrun
+def test_fsdp_node_loss_restores_the_lost_nodes_shards_from_its_peers_memory_bitwise(tmp_path, reference):
+    """Two agents as two nodes (one worker each), each node its own fast tier: node 1 keeps a copy of node 0's shards
+    and node 0 of node 1's. Node 1 (agent and worker) is SIGKILLed in step 60 and its memory removed; relaunched with
+    an empty directory, the job restores step 55 with rank 1's shards from node 0's peer copy, bitwise."""
+    _, ref = reference
+    (tmp_path / "trace").mkdir()
+    overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}",
+                 f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", *FAST, "task.args.pause_rank=1",
+                 "task.args.pause_at_step=60"]
+    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="2", rdzv_conf=RDZV_CONF,
+                      env={"OMP_NUM_THREADS": "1"})  # as torchrun sets it for the reference's two workers
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, nodes.agents[1])
+    for node in (0, 1):  # each node: its own rank's shards and its peer's
+        assert copy_files(tmp_path / f"shm-node{node}", 55) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                 "manifest.json", "state.pt"]
+    nodes.kill(1)
+    shutil.rmtree(tmp_path / "shm-node1")  # the lost node's memory is gone with it
+    nodes.launch(1, host_store=False)
+    assert nodes.wait(TIMEOUT_S * 2) == {0: 0, 1: 0}, nodes.output()[-6000:]
+    output = nodes.agents[0].output()
+    assert ("restored step 55 from the node-local tier: node 0's shards (ranks 0) from node 0's own copy, "
+            "node 1's shards (ranks 1) from node 0's peer copy") in output, output[-4000:]
+    result = parse_job(output)
+    assert start_steps(output) == [0, 55] and result.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert nodes.leftover_pids() == []
+
+
+def test_each_nodes_shards_are_kept_by_the_next_node_and_a_copy_is_whole_only_with_every_file():
+    assert fast_shards.peer_ranks([0, 0, 1, 1]) == [2, 3, 0, 1]  # (r + local world) % world
+    assert fast_shards.peer_ranks([0, 1, 2]) == [1, 2, 0]
+    assert fast_shards.peer_ranks([0, 0, 1]) == [2, 2, 0]  # a smaller next node keeps several ranks' shards
+    assert fast_shards.peer_ranks([0, 0]) == [None, None]  # one node: no peer
+
+    def offer(step: int, files: set[str], metadata: str = "m") -> dict:
+        manifest = Manifest(f"step-{step:012d}", step, 0.0, {}, {"shards": ["__0_0.distcp", "__1_0.distcp"]})
+        return {(step, metadata): fast_restore.NodeOffer(frozenset(files | {".metadata", "state.pt"}), manifest)}
+
+    node0 = {**offer(50, {"__0_0.distcp", "__1_0.distcp"}), **offer(55, {"__0_0.distcp"})}
+    assert fast_restore.choose([node0, {}]) == (50, "m")  # step 55 lacks rank 1's shards
+    assert fast_restore.choose([node0, offer(55, {"__1_0.distcp"})]) == (55, "m")  # together the nodes hold it
+    assert fast_restore.choose([node0, offer(55, {"__1_0.distcp"}, metadata="other")]) == (50, "m")  # another save
+    assert fast_restore.choose([{}, {}]) is None
+
+
 @pytest.mark.parametrize("setting, key", [
     ("train.virtual_shards=2", "train.virtual_shards=0"),
     ("dist.sync_batchnorm=true", "dist.sync_batchnorm=false"),
-    ("snapshot.local.url=/dev/shm/x", "snapshot.local.url=null"),
+    ("snapshot.local.async_write=true", "snapshot.local.async_write=false"),
 ])
 def test_fsdp_with_a_setting_it_cannot_serve_is_one_line_naming_the_fix(setting, key):
     with pytest.raises(ConfigError) as raised:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -222,8 +223,9 @@ def test_a_step_the_fast_tier_already_holds_is_not_written_again(node):
 
 
 def test_survivor_copies_apply_only_to_one_node_groups_without_float_buffers(tmp_path):
-    fast = object()
+    fast = SimpleNamespace(sharded=None)  # a fast tier under DDP
     assert SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 2, 2) is None
+    assert "fsdp" in SurvivorCopies.applies(SimpleNamespace(sharded=object()), torch.nn.Linear(2, 2), 2, 2)
     assert "no fast tier" in SurvivorCopies.applies(None, torch.nn.Linear(2, 2), 2, 2)
     assert "single worker" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 1, 1)
     assert "not all on one node" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 4, 2)
