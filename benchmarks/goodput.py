@@ -8,9 +8,9 @@ What it measures. Each job is a real 2-worker ``torchrun --rdzv-backend=c10d
 SIGKILLs one worker every ``--kill-every`` seconds from launch (the rank drawn from a seeded
 generator: the same ranks, in the same order, for every job of a repeat) until the agent exits.
 
-Each repeat runs the textbook loop unbroken for ``--reference-steps`` steps (``reference``)
-before every faulted job and once more after the last, and the faulted jobs in an order rotated
-from one repeat to the next:
+Each repeat runs the textbook loop unbroken and saving nothing (``reference``), as many steps as a
+faulted job (``--reference-steps`` sets another length), before every faulted job and once more
+after the last, and the faulted jobs in an order rotated from one repeat to the next:
 
 - ``textbook``: the PyTorch DDP tutorial's recipe: at every epoch's end rank 0 ``torch.save``s
   model, optimizer and epoch to one file; a restarted attempt loads it and starts the next epoch;
@@ -29,15 +29,23 @@ from one repeat to the next:
   timed fast copies, no survivor copy of the step a worker died in (elastictrain/survivor.py), so
   the two side by side show what survivor copies are worth.
 
-A faulted job's reference step time is the median step interval of the two reference runs
-around it: on a shared machine the load drifts within minutes, and the neighbours see the load
-the job saw more closely than one reference for the whole repeat would. The first reference
-also sets the epoch length in steps (``--epoch-s`` over its step time; ``--epoch-steps`` fixes it).
+A faulted job's reference step time is the mean step time of the two reference runs around it
+over their training span (first step's forward to the last's, over the steps between): on a
+shared machine the load drifts within minutes, and the neighbours see the load the job saw more
+closely than one reference for the whole repeat would. They are as long as the job because a
+sustained load runs slower here than a short one, and the mean (not the median) keeps the slow
+steps an unbroken run has too, so only what the faulted job does that an unbroken run does not
+(start-up, restarts, snapshots, re-done steps, the loop's own per-step cost, the finish) counts
+against it. ``--epoch-s`` over the median step of a short unbroken ``calibration`` run sets the
+epoch length in steps (``--epoch-steps`` fixes it and skips that run).
 
 Goodput = (steps the final model contains x reference step time) / wall time of the job from
-launch to the agent's exit. Because the load moves the reference too, the table also gives the
-same ratio at the job's own median step time (``at own step``): it leaves out the loop's per-step
-cost (``step_overhead.py`` measures that) and the load's drift, and keeps what faults cost.
+launch to the agent's exit. Each reference is scored by the same formula against its own mean
+step, about 1 - (start-up + finish) / wall: the ceiling for a job of that length under that load. Two more
+columns: ``vs median``, the same ratio at the references' median step interval (the definition of
+earlier runs, which charged the tail every run has to the faults), and ``at own step``, at the
+job's own median step time: it leaves out the loop's per-step cost (``step_overhead.py``
+measures that) and the load's drift, and keeps what faults cost.
 The tables also give, per job: kills, restarts, steps trained twice, where the rest of the wall
 time went and what each restart was made of (``_goodput_timeline.py``), and for elastictrain its
 own goodput counter (rank 0's ``Trainer.session.state.goodput`` at the end, the counter the Prometheus
