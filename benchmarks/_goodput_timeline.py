@@ -147,6 +147,22 @@ def median_step_s(*timelines: Timeline, skip_first: int = 20) -> float:
     return statistics.median(intervals)
 
 
+def mean_step_s(*timelines: Timeline) -> float:
+    """An unbroken run's step time over its training span: first step's forward to the last's, over the steps between.
+
+    Unlike the median it keeps the run's tail (the slow steps every run on a loaded machine has,
+    an epoch's end), so a faulted job compared against it is charged only for what it does that
+    an unbroken run does not. Several timelines (the references around a job) are pooled.
+    """
+    span_s = intervals = 0
+    for timeline in timelines:
+        for attempt in timeline.attempts.values():
+            if len(attempt.steps) > 1:
+                span_s += attempt.steps[-1][1] - attempt.steps[0][1]
+                intervals += attempt.steps[-1][0] - attempt.steps[0][0]
+    return span_s / intervals
+
+
 @dataclass
 class Kill:
     unix: float

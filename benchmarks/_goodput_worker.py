@@ -3,6 +3,7 @@
 ``--loop textbook`` is the PyTorch DDP tutorial's fault-tolerance recipe: rank 0 writes
 ``torch.save({model, optimizer, epochs_run})`` to one path at the end of every epoch, and every
 rank of a restarted attempt loads it and starts again at the beginning of the next epoch.
+``--no-checkpoint`` leaves the save out (the unbroken reference runs).
 ``--loop elastictrain`` hands the same objects to ``elastictrain.Trainer``; ``--config`` (JSON)
 is merged into its config, which is how the benchmark turns on the fast tier and async writes.
 
@@ -112,7 +113,7 @@ def textbook(args: argparse.Namespace, stamps: Stamps, world_size: int) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        if rank == 0:
+        if rank == 0 and args.checkpoint:
             started = time.monotonic()
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epoch + 1}, checkpoint)
             stamps.event("saved", step=step, duration_s=f"{time.monotonic() - started:.3f}")
@@ -145,8 +146,9 @@ def with_elastictrain(args: argparse.Namespace, stamps: Stamps, world_size: int)
     trainer.on(src=State.RESTORE)(lambda src, dst, step: stamps.event("restored", step=step))
     summary = trainer.fit()
     if trainer.session.is_main:
-        seconds = {cause: round(value, 3) for cause, value in trainer.goodput.seconds_by_cause().items()}
-        stamps.event("goodput", ratio=f"{trainer.goodput.goodput_ratio():.4f}", seconds=json.dumps(seconds, separators=(",", ":")))
+        goodput = trainer.session.state.goodput  # the counters /metrics serves
+        seconds = {cause: round(value, 3) for cause, value in goodput.seconds_by_cause().items()}
+        stamps.event("goodput", ratio=f"{goodput.goodput_ratio():.4f}", seconds=json.dumps(seconds, separators=(",", ":")))
     stamps.event("done", step=summary.global_step)
 
 
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--epoch-steps", type=int, required=True, help="optimizer steps per epoch")
     parser.add_argument("--config", default="{}", help="elastictrain: JSON merged into the config")
+    parser.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                        help="textbook: save at every epoch's end (--no-checkpoint: the unbroken reference, which saves nothing)")
     args = parser.parse_args()
     # Benchmark code, not library code: the worker reads torchrun's variables itself.
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

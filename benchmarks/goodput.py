@@ -8,9 +8,9 @@ What it measures. Each job is a real 2-worker ``torchrun --rdzv-backend=c10d
 SIGKILLs one worker every ``--kill-every`` seconds from launch (the rank drawn from a seeded
 generator: the same ranks, in the same order, for every job of a repeat) until the agent exits.
 
-Each repeat runs the textbook loop unbroken for ``--reference-steps`` steps (``reference``)
-before every faulted job and once more after the last, and the faulted jobs in an order rotated
-from one repeat to the next:
+Each repeat runs the textbook loop unbroken and saving nothing (``reference``), as many steps as a
+faulted job (``--reference-steps`` sets another length), before every faulted job and once more
+after the last, and the faulted jobs in an order rotated from one repeat to the next:
 
 - ``textbook``: the PyTorch DDP tutorial's recipe: at every epoch's end rank 0 ``torch.save``s
   model, optimizer and epoch to one file; a restarted attempt loads it and starts the next epoch;
@@ -29,18 +29,26 @@ from one repeat to the next:
   timed fast copies, no survivor copy of the step a worker died in (elastictrain/survivor.py), so
   the two side by side show what survivor copies are worth.
 
-A faulted job's reference step time is the median step interval of the two reference runs
-around it: on a shared machine the load drifts within minutes, and the neighbours see the load
-the job saw more closely than one reference for the whole repeat would. The first reference
-also sets the epoch length in steps (``--epoch-s`` over its step time; ``--epoch-steps`` fixes it).
+A faulted job's reference step time is the mean step time of the two reference runs around it
+over their training span (first step's forward to the last's, over the steps between): on a
+shared machine the load drifts within minutes, and the neighbours see the load the job saw more
+closely than one reference for the whole repeat would. They are as long as the job because a
+sustained load runs slower here than a short one, and the mean (not the median) keeps the slow
+steps an unbroken run has too, so only what the faulted job does that an unbroken run does not
+(start-up, restarts, snapshots, re-done steps, the loop's own per-step cost, the finish) counts
+against it. ``--epoch-s`` over the median step of a short unbroken ``calibration`` run sets the
+epoch length in steps (``--epoch-steps`` fixes it and skips that run).
 
 Goodput = (steps the final model contains x reference step time) / wall time of the job from
-launch to the agent's exit. Because the load moves the reference too, the table also gives the
-same ratio at the job's own median step time (``at own step``): it leaves out the loop's per-step
-cost (``step_overhead.py`` measures that) and the load's drift, and keeps what faults cost.
+launch to the agent's exit. Each reference is scored by the same formula against its own mean
+step, about 1 - (start-up + finish) / wall: the ceiling for a job of that length under that load. Two more
+columns: ``vs median``, the same ratio at the references' median step interval (the definition of
+earlier runs, which charged the tail every run has to the faults), and ``at own step``, at the
+job's own median step time: it leaves out the loop's per-step cost (``step_overhead.py``
+measures that) and the load's drift, and keeps what faults cost.
 The tables also give, per job: kills, restarts, steps trained twice, where the rest of the wall
 time went and what each restart was made of (``_goodput_timeline.py``), and for elastictrain its
-own goodput counter (rank 0's ``Trainer.goodput`` at the end, the counter the Prometheus
+own goodput counter (rank 0's ``Trainer.session.state.goodput`` at the end, the counter the Prometheus
 exporter serves). The load is recorded at the start and end of every job: on a shared 2-core
 machine it moves every number.
 
@@ -79,6 +87,7 @@ WORKER = pathlib.Path(__file__).resolve().with_name("_goodput_worker.py")
 WORLD_SIZE = 2
 MAX_RESTARTS = 1000
 POLL_S = 0.02
+CALIBRATION_STEPS = 400
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ class Job:
     config: dict = field(default_factory=dict)  # elastictrain: merged into its config
     fast_tier_url: str | None = None  # elastictrain-fast: where its node-local copies go
     warm: bool = False  # elastictrain-warm: torchrun starts -m elastictrain.warmstart before the worker
+    checkpoint: bool = True  # textbook: save at each epoch's end; the unbroken references save nothing
 
     @property
     def steps(self) -> int:
@@ -100,8 +110,16 @@ class Job:
 FAULTED_JOBS = ("textbook", "elastictrain", "elastictrain-fast", "elastictrain-warm", "elastictrain-warm-timed")
 
 
-def reference_job(args: argparse.Namespace) -> Job:
-    return Job("reference", "textbook", faulted=False, epochs=1, epoch_steps=args.reference_steps)
+def reference_job(args: argparse.Namespace, epoch_steps: int) -> Job:
+    """The unbroken reference: the textbook loop saving nothing, as long as the faulted jobs unless --reference-steps."""
+    if args.reference_steps:
+        return Job("reference", "textbook", faulted=False, epochs=1, epoch_steps=args.reference_steps, checkpoint=False)
+    return Job("reference", "textbook", faulted=False, epochs=args.epochs, epoch_steps=epoch_steps, checkpoint=False)
+
+
+def calibration_job() -> Job:
+    """A short unbroken run whose step time sets the epoch length from --epoch-s (not a reference)."""
+    return Job("calibration", "textbook", faulted=False, epochs=1, epoch_steps=CALIBRATION_STEPS, checkpoint=False)
 
 
 def faulted_jobs(args: argparse.Namespace, repeat: int, epoch_steps: int) -> list[Job]:
@@ -140,6 +158,7 @@ def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
         *(["-m", "elastictrain.warmstart"] if job.warm else []),
         str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
         f"--epoch-steps={job.epoch_steps}", f"--config={json.dumps(job.config)}",
+        *([] if job.checkpoint else ["--no-checkpoint"]),
     ]
 
 
@@ -231,7 +250,9 @@ def run_job(job: Job, repeat: int, scratch: pathlib.Path, args: argparse.Namespa
             "timeline": timeline_of.parse(log_path.read_text(errors="replace"), launch_unix, job.fast_tier_url)}
 
 
-def analyse(job: Job, raw: dict, reference_step_s: float | None) -> dict:
+def analyse(job: Job, raw: dict, references: list[dict]) -> dict:
+    """One job's figures against ``references`` (the unbroken runs beside it; a reference: itself)."""
+    reference_step_s, reference_median_s = _reference_step_s(references)
     timeline = raw["timeline"]
     last_attempt = timeline.attempts[max(timeline.attempts)] if timeline.attempts else None
     final_step = (last_attempt.done_step or 0) if raw["outcome"] == "completed" and last_attempt else 0
@@ -243,16 +264,20 @@ def analyse(job: Job, raw: dict, reference_step_s: float | None) -> dict:
         "restarts": max(timeline.attempts, default=0),
         "load_at_start": raw["load_at_start"], "load_at_end": raw["load_at_end"],
         "config": job.config,
-        "reference_step_ms": None if reference_step_s is None else round(reference_step_s * 1e3, 2),
+        "reference_step_ms": None if reference_step_s is None else round(reference_step_s * 1e3, 3),
+        "reference_median_step_ms": None if reference_median_s is None else round(reference_median_s * 1e3, 3),
         "goodput": None,
+        "goodput_vs_median": None,
         "goodput_at_own_step": None,
     }
     if final_step != job.steps or reference_step_s is None:
         return result
     result.update(timeline_of.account(timeline, raw["kills"], raw["launch_unix"], raw["exit_unix"], final_step,
                                       reference_step_s))
+    # An unbroken reference scored by the same formula shows the ceiling: 1 - (start-up + finish) / wall.
+    result["goodput"] = round(final_step * reference_step_s / result["wall_s"], 4)
     if job.faulted:
-        result["goodput"] = round(final_step * reference_step_s / result["wall_s"], 4)
+        result["goodput_vs_median"] = round(final_step * reference_median_s / result["wall_s"], 4)
         result["goodput_at_own_step"] = round(final_step * result["counted_step_median_ms"] / 1e3 / result["wall_s"], 4)
     result["kill_log"] = [asdict(kill) for kill in raw["kills"]]
     if job.loop == "elastictrain":
@@ -286,19 +311,21 @@ def format_tables(results: list[dict]) -> str:
             return "-"
         return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    lines = ["| job | outcome | steps | wall s | goodput | at own step | kills | restarts | steps re-done "
-             "| median restart s | step ms: reference / own | elastictrain's counter | load 1-min start/end |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| job | outcome | steps | wall s | goodput | vs median | at own step | kills | restarts | steps re-done "
+             "| median restart s | step ms: reference mean / median / own median | elastictrain's counter "
+             "| load 1-min start/end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         restarts = [entry["total_s"] for entry in r.get("restart_log", [])]
         counter = (r.get("elastictrain_goodput_counter") or {}).get("ratio")
         lines.append(
             f"| {label(r)} | {r['outcome']} | {r['final_step']} | {cell(r['wall_s'])} | {cell(r['goodput'], 3)} "
-            f"| {cell(r['goodput_at_own_step'], 3)} | {r['kills']} | {r['restarts']} | {cell(r.get('redone_steps'))} "
-            f"| {cell(statistics.median(restarts) if restarts else None, 2)} "
-            f"| {cell(r['reference_step_ms'])} / {cell(r.get('counted_step_median_ms'))} "
+            f"| {cell(r['goodput_vs_median'], 3)} | {cell(r['goodput_at_own_step'], 3)} | {r['kills']} | {r['restarts']} "
+            f"| {cell(r.get('redone_steps'))} | {cell(statistics.median(restarts) if restarts else None, 2)} "
+            f"| {cell(r['reference_step_ms'], 2)} / {cell(r['reference_median_step_ms'], 2)} / {cell(r.get('counted_step_median_ms'), 2)} "
             f"| {cell(counter, 3)} | {r['load_at_start'][0]:.1f} / {r['load_at_end'][0]:.1f} |")
-    lines += ["", "Where the wall time went, seconds (steps x reference step time + these = wall):", "",
+    lines += ["", "Where the wall time went, seconds (steps x reference mean step + these = wall; a reference "
+              "against its own mean):", "",
               "| job | steps x ref | start-up | restarts | re-done steps | snapshots blocking | after snapshots "
               "| slower steps | finish | other |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -325,7 +352,7 @@ def format_tables(results: list[dict]) -> str:
                      + f" | {sum(entry['attempts_without_steps'] for entry in r['restart_log'])} | {restored_from} |")
     if several_repeats:
         lines += ["", "Over the repeats:", ""]
-        for name in dict.fromkeys(r["job"] for r in results if r["goodput"] is not None):
+        for name in dict.fromkeys(r["job"] for r in results if r["goodput_at_own_step"] is not None):
             of_job = [r for r in results if r["job"] == name and r["goodput"] is not None]
             lines.append(f"- {name}: goodput median {statistics.median(r['goodput'] for r in of_job):.3f} "
                          f"({', '.join(format(r['goodput'], '.3f') for r in of_job)}); at own step "
@@ -339,10 +366,20 @@ def _median_of(entries: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _reference_step_s(references: list[dict]) -> float | None:
-    """The median step interval over the reference runs that completed (None if none did)."""
+def _reference_step_s(references: list[dict]) -> tuple[float | None, float | None]:
+    """(mean step over the training span, median step interval) of the reference runs that completed (None if none did)."""
     timelines = [raw["timeline"] for raw in references if raw["outcome"] == "completed"]
-    return timeline_of.median_step_s(*timelines) if timelines else None
+    if not timelines:
+        return None, None
+    return timeline_of.mean_step_s(*timelines), timeline_of.median_step_s(*timelines)
+
+
+def calibrate(repeat: int, scratch: pathlib.Path, args: argparse.Namespace) -> int:
+    """Steps per epoch: --epoch-s at the median step of a short unbroken run."""
+    raw = run_job(calibration_job(), repeat, scratch, args, "calibration")
+    if raw["outcome"] != "completed":
+        raise RuntimeError(f"the calibration run failed ({raw['outcome']}); its log: {raw['log_path']}")
+    return max(1, round(args.epoch_s / timeline_of.median_step_s(raw["timeline"])))
 
 
 def uptime() -> str:
@@ -354,7 +391,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=7, help="epochs of every faulted job")
     parser.add_argument("--epoch-s", type=float, default=30.0, help="an epoch's length in seconds at the reference step time")
     parser.add_argument("--epoch-steps", type=int, help="optimizer steps per epoch (default: from --epoch-s)")
-    parser.add_argument("--reference-steps", type=int, default=400, help="steps of each unbroken reference run")
+    parser.add_argument("--reference-steps", type=int, default=0,
+                        help="steps of each unbroken reference run (0: as many as a faulted job)")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between SIGKILLs, from launch")
     parser.add_argument("--every-steps", type=int, default=100, help="elastictrain's snapshot.durable.every_steps")
     parser.add_argument("--fast-every-steps", type=int, default=0, help="snapshot.local.every_steps of the fast tier")
@@ -383,21 +421,21 @@ def main() -> None:
     results, epoch_steps_by_repeat = [], {}
     with tempfile.TemporaryDirectory(prefix="goodput-") as scratch:
         for repeat in range(args.repeats):
-            reference = reference_job(args)
+            epoch_steps = args.epoch_steps or calibrate(repeat, pathlib.Path(scratch), args)
+            epoch_steps_by_repeat[repeat] = epoch_steps
+            reference = reference_job(args, epoch_steps)
             references = [run_job(reference, repeat, pathlib.Path(scratch), args, "reference-0")]
             if references[0]["outcome"] != "completed":
                 raise RuntimeError(f"the reference run failed ({references[0]['outcome']}); its log: {references[0]['log_path']}")
-            epoch_steps = args.epoch_steps or max(1, round(args.epoch_s / timeline_of.median_step_s(references[0]["timeline"])))
-            epoch_steps_by_repeat[repeat] = epoch_steps
             jobs = faulted_jobs(args, repeat, epoch_steps)
             faulted = []
             for index, job in enumerate(jobs, start=1):
                 faulted.append(run_job(job, repeat, pathlib.Path(scratch), args, job.name))
                 references.append(run_job(reference, repeat, pathlib.Path(scratch), args, f"reference-{index}"))
-            results.append(analyse(reference, references[0], _reference_step_s(references[:1])))
+            results.append(analyse(reference, references[0], references[:1]))
             for index, (job, raw) in enumerate(zip(jobs, faulted)):  # in the order they ran
-                results.append(analyse(job, raw, _reference_step_s(references[index:index + 2])))
-                results.append(analyse(reference, references[index + 1], _reference_step_s(references[index + 1:index + 2])))
+                results.append(analyse(job, raw, references[index:index + 2]))
+                results.append(analyse(reference, references[index + 1], references[index + 1:index + 2]))
     procs.ensure_none_running(WORKER, "after the last job")
     uptime_at_end = uptime()
     total_wall_s = round(time.monotonic() - started, 1)
