@@ -72,10 +72,12 @@ def test_plain_python_run_killed_and_run_again_ends_bitwise_equal(tmp_path):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
 def test_user_script_handler_style(tmp_path, launcher):
-    # Two micro-batches per step: under torchrun the first runs inside DDP's no_sync().
+    # Two micro-batches per step: under torchrun the first runs inside DDP's no_sync(). 256 optimizer steps either
+    # way: 4 epochs of two workers, 2 of one (its epochs have twice the steps).
+    epochs = 4 if launcher == "torchrun" else 2
     script = [
         str(REPO_ROOT / "launch" / "torchrun" / "train_script.py"), f"run.dir={tmp_path / 'run'}",
-        "train.max_epochs=4", "train.grad_accum_steps=2", "train.batch_size=16",
+        f"train.max_epochs={epochs}", "train.grad_accum_steps=2", "train.batch_size=16",
     ]
     if launcher == "torchrun":
         command = torchrun_launcher() + script
@@ -86,7 +88,7 @@ def test_user_script_handler_style(tmp_path, launcher):
     result = parse_job(job.output())
     world_size = 2 if launcher == "torchrun" else 1
     assert result.summary["world_size"] == str(world_size)
-    assert result.summary["step"] == str(4 * 4096 // (16 * 2 * world_size))
+    assert result.summary["step"] == str(epochs * 4096 // (16 * 2 * world_size)) == "256"
     assert float(result.summary["val_accuracy"]) > 0.8
     # The cosine schedule was built for this world size's step count: it falls all the way
     # to zero at the last step and never climbs back (with T_max fixed it would at one worker).
