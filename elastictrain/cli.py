@@ -58,10 +58,9 @@ def run() -> NoReturn:
     elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what finalization would run; it clears them, so none runs twice
+    threading._shutdown()  # as the interpreter does first: the threading atexit hooks (an idle executor's workers are
+    # told to stop), then every non-daemon thread joined
+    atexit._run_exitfuncs()  # then the atexit handlers; it clears them, so none runs twice
     _leave_now(code)
 
 

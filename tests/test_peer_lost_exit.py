@@ -108,7 +108,7 @@ def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, s
 
 
 PROGRAM = textwrap.dedent('''
-    import atexit, sys, threading, time
+    import atexit, concurrent.futures, sys, threading, time
     from elastictrain import cli
 
     directory, ending = sys.argv[1], sys.argv[2]
@@ -125,6 +125,7 @@ PROGRAM = textwrap.dedent('''
             time.sleep(0.5)
             open(directory + "/thread", "w").write("joined")
         threading.Thread(target=late).start()  # a non-daemon thread the task left running
+        concurrent.futures.ThreadPoolExecutor(1).submit(print, end="")  # and an executor never shut down: idle workers
         if ending == "preempted":
             raise SystemExit(143)
         if ending == "bug":
