@@ -118,6 +118,7 @@ PROGRAM = textwrap.dedent('''
             open(path, "w").write("ran")
 
     kept = Finalized()
+    pools = []
 
     def train(config_path, overrides):
         print("trained", end="\\n")  # block-buffered: stdout is a pipe
@@ -125,7 +126,8 @@ PROGRAM = textwrap.dedent('''
             time.sleep(0.5)
             open(directory + "/thread", "w").write("joined")
         threading.Thread(target=late).start()  # a non-daemon thread the task left running
-        concurrent.futures.ThreadPoolExecutor(1).submit(print, end="")  # and an executor never shut down: idle workers
+        pools.append(concurrent.futures.ThreadPoolExecutor(1))  # and an executor kept but never shut down:
+        pools[-1].submit(print, end="")  # its idle worker waits until the interpreter's threading hooks stop it
         if ending == "preempted":
             raise SystemExit(143)
         if ending == "bug":
