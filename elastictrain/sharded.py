@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from .config import is_local_url
 from .errors import SnapshotError, StorageError
 from .manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+from .snapshot import tensors_in
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
 _CHUNK = 8 << 20
@@ -84,7 +85,7 @@ class ShardedState:
 
     def local_bytes(self) -> int:
         """The bytes of this rank's own shards of the model and optimizers (what its shard files hold, about)."""
-        tensors = [t for part in self._state().values() for t in _tensors(part)]
+        tensors = [t for part in self._state().values() for t in tensors_in(part)]
         return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
     def load(self, url: str, where: str) -> None:
@@ -135,16 +136,6 @@ def consolidated_model(url: str, storage_options: dict | None = None) -> dict[st
     reader = ShardedState(nn.Module(), [], storage_options)._reader(url)
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for value in tree.values() for t in _tensors(value)]
-    if isinstance(tree, (list, tuple)):
-        return [t for value in tree for t in _tensors(value)]
-    return []
 
 
 def _one_line(exc: BaseException) -> str:

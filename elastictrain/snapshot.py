@@ -266,3 +266,14 @@ def params_sha256(model: nn.Module) -> str:
         digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def tensors_in(tree: Any) -> list:
+    """Every tensor in a state_dict-like tree of dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in tensors_in(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in tensors_in(value)]
+    return []

@@ -43,7 +43,7 @@ from .manifest import Manifest
 from .restore import Restored, restore_newest
 from .sharded import SHARDED, ShardedState
 from .sharded_writes import ShardedWrites
-from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, writer_for
+from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, tensors_in, writer_for
 from .staging import Stager
 from .storage import SnapshotStore
 
@@ -475,10 +475,4 @@ def _other_runs_copies(base: str, run_id: str) -> list[str]:
 
 
 def _tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in tree)
-    return 0
+    return sum(t.numel() * t.element_size() for t in tensors_in(tree))
