@@ -2,7 +2,8 @@
 
 From a script (``Trainer.fit()`` called by the user's code), the same holds when the launcher's
 SIGTERM came first and was held for a preemption snapshot: once the group is found broken, the
-signal takes its default course as soon as ``fit()`` has cleaned up.
+signal takes its default course as soon as ``fit()`` has cleaned up, before the process group's teardown (which,
+with a dead peer, waits about 0.35 s on its gloo pairs while torchrun waits for this process).
 
 ``python -m elastictrain train`` is run in a subprocess whose training raises what ``fit()``
 raises when a collective breaks (``PeerLost``). An atexit handler stands for the interpreter's
@@ -72,10 +73,15 @@ def test_other_errors_end_the_interpreter_as_usual(tmp_path, error):
 
 SCRIPT = textwrap.dedent('''
     import atexit, os, signal, sys
-    from elastictrain import Trainer, seed_everything
+    from elastictrain import Trainer, dist, seed_everything
     from tests.helpers.tasks import build
 
     marker, trace_dir, signalled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    teardown = dist.teardown
+    def recorded_teardown(ctx):  # a broken gloo group's teardown waits ~0.35 s on the dead peer's pairs
+        open(marker + "-teardown", "w").write("ran")
+        teardown(ctx)
+    dist.teardown = recorded_teardown
     seed_everything(0)
     task = build(trace_dir, train_samples=256, hidden=16)
 
@@ -102,9 +108,10 @@ def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, s
     if signalled:
         assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
         assert not marker.exists(), "the held SIGTERM should end the process before the interpreter's finalization"
+        assert not (tmp_path / "finalized-teardown").exists(), "and before the process group's teardown"
     else:  # nothing held: the exception ends the script as any exception would
         assert done.returncode == 1
-        assert marker.exists()
+        assert marker.exists() and (tmp_path / "finalized-teardown").exists()
 
 
 PROGRAM = textwrap.dedent('''
