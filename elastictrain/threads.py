@@ -175,6 +175,14 @@ def cpu_capability() -> str:
 _VERBOSE = re.compile(rb"CNR:(\S+)\s+Dyn:(\d)")
 
 
+def warm_up() -> None:
+    """In the warm-start server, once: MKL's verbose mode times the CPU's clock the first time it reports
+    (0.3-0.7 s here), and every worker forked from the server inherits that instead of paying it before
+    its start-up line (``probe``), which the other ranks wait for. One single-threaded 16x16 product: no
+    thread pool is started before the forks."""
+    _mkl_modes()
+
+
 def probe() -> RuntimeThreads:
     """What the runtime does now; MKL's modes are read from its own verbose line for one tiny product."""
     import torch

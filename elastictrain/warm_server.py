@@ -46,6 +46,13 @@ def serve(base: str, lock_fd: int, agent_fd: int, preload: tuple[str, ...]) -> C
         except Exception as error:  # noqa: BLE001 - any failure means: no warm restarts, say why
             say(f"preloading {name} failed ({type(error).__name__}: {error}); restarts run cold")
             return None
+    if "torch" in sys.modules:
+        from .threads import warm_up  # torch is loaded: the children's first MKL report costs nothing then
+
+        try:
+            warm_up()
+        except Exception as error:  # noqa: BLE001 - a probe that fails here fails in the child too, and says so there
+            say(f"warming up MKL's report failed ({type(error).__name__}: {error})")
     me, path = os.getpid(), base + ".sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     umask = os.umask(0o077)

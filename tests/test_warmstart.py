@@ -131,6 +131,8 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     servers = {int(pid) for pid in WARM.findall(output)}
     assert len(WARM.findall(output)) == 8 and len(servers) == 1, "attempts 1-4 of both ranks start warm from one server"
     assert "rank 1 received SIGTERM at step 100" in output
+    pinned = re.findall(r"threads pinned for bitwise results: (.*) \(count: ", output)  # probed in each child after
+    assert len(pinned) == 5 and len(set(pinned)) == 1, pinned  # the server's warm-up: the runtime of the cold start
     stopped = int(PREEMPTED.search(output).group(1))
     assert output.count("(exitcode: -9)") == 3 and output.count("(exitcode: 143)") == 1
     steps = start_steps(output)
@@ -155,3 +157,27 @@ def test_help_prints_usage_and_a_missing_script_says_so_once():
     assert missing.returncode == 2
     assert missing.stderr.count("elastictrain.warmstart:") == 1, missing.stderr
     assert missing.stderr.startswith("elastictrain.warmstart: give the script to run"), missing.stderr
+
+
+SERVER = '''
+import os, sys
+from elastictrain import threads
+from elastictrain.warm_server import serve
+
+threads.warm_up = lambda: print("warmed up with", sorted(m for m in ("torch", "json") if m in sys.modules), flush=True)
+agent, gone = os.pipe()
+os.close(gone)  # the agent has exited: the server returns at its first look
+lock = os.open(sys.argv[1] + ".lock", os.O_CREAT | os.O_RDWR)
+print("served:", serve(sys.argv[1], lock, agent, tuple(sys.argv[2].split(","))), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preload", ["torch", "json"])
+def test_the_server_warms_up_mkls_report_for_its_children_once_torch_is_preloaded(tmp_path, preload):
+    # MKL's first verbose report times the CPU's clock (0.3-0.7 s): a forked child that inherits it reports at once.
+    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp_path / "s"), preload], capture_output=True,
+                          text=True, env=job_env(), cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = ["warmed up with ['json', 'torch']"] if preload == "torch" else []
+    assert done.stdout.splitlines() == [*expected, "served: None"]
