@@ -78,7 +78,7 @@ class Session:
         self._epoch_end: list[Callable[[], None]] = []
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self._peer_lost = False
-        self._marks_ahead = False  # a step runner marks survivor copies itself (gradients_ready)
+        self._marks_ahead = False  # a step runner marks survivor copies itself (rank_state_final)
         self.machine.on()(self.events.transition)
         self.machine.on(dst=State.DONE)(self._summarize)
         self.machine.on(dst=State.PREEMPTED)(self._preempted)
@@ -232,6 +232,7 @@ class Session:
             log.info("%s", self.state.threads.report())
         self.tiers.begin(self._started_unix)
         self.metrics.begin()
+        self._mark()  # the restored step's per-rank state: a survivor whose first all-reduce breaks copies it
         self._run(self._next_state(self.health.settle(self.tiers, self.global_step)))
 
     def registered(self, name: str) -> Any:
@@ -269,9 +270,10 @@ class Session:
             norm = grad_norm(parameters)
         return self.anomalies.gradients_ok(norm, step)
 
-    def gradients_ready(self) -> None:
-        """For step runners: every rank holds this step's gradients, the optimizer step follows (survivor copies
-        then name the step it completes)."""
+    def rank_state_final(self) -> None:
+        """For step runners, before a step's last backward: this rank's per-rank state (RNG, stream position,
+        metric sums) is what it will be at the step's end, since backward and the optimizer step change none
+        of it. A survivor copy then names the step the peers complete once this rank's gradients reach them."""
         self._marks_ahead = True
         self._mark(self.global_step + 1)
 

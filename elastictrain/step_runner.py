@@ -4,8 +4,8 @@
 ``model(batch)`` (the module ``session.wrap(model, loss_fn)`` returned: its forward is the loss,
 inside DDP's forward), each under the gradient sync's context (DDP's ``no_sync`` for all but the
 last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-batch's loss and
-metrics to the session, and steps the optimizer. It tells the session when the gradients are in,
-so that survivor copies name the step this one completes. ``Trainer`` uses it; a custom loop with
+metrics to the session, and steps the optimizer. It tells the session when its per-rank state is
+final, before the last backward, so that survivor copies name the step this one completes. ``Trainer`` uses it; a custom loop with
 one optimizer may too. Call ``session.step()`` after ``run``.
 """
 
@@ -44,13 +44,15 @@ class StepRunner:
             with sync.micro_batch(micro, accum, step):
                 with self._autocast():
                     loss, metrics = split_loss(self.model(batch))  # loss_fn inside DDP's forward: see ddp.LossForward
+                session.log(batch_size_of(batch), **{"loss": loss, **metrics})
+                if micro == accum - 1:
+                    # Per-rank state is now what it will be after this step. The backward's gradient
+                    # all-reduce is what lets the peers finish the step, so a rank that dies anywhere from
+                    # here on leaves a slot naming the step they reach (survivor.py).
+                    session.rank_state_final()
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            session.log(batch_size_of(batch), **{"loss": loss, **metrics})
         sync.finish(accum)  # every rank holds the step's gradients
-        # Per-rank state is now what it will be after this step: a rank that dies in the optimizer
-        # step, which its peers also finish, still leaves a slot naming the step they are at.
-        session.gradients_ready()
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
         norm = checked = None

@@ -4,22 +4,28 @@ Under DDP every rank holds the same model, optimizer and progress, and none of t
 between the start of a step and its optimizer step: forward and backward only make gradients.
 What differs per rank is small: its RNG state, its stream position (streams only) and its
 metric values since the last reduce (the copy holds them per rank, as a snapshot does). So each
-rank leaves those in a slot of its own in node memory in every step, once the gradients are in and before the optimizer step (nothing per rank changes
-after that point within the step), and again after every metric reduce (``StepSlots``, about
-12 KB and 0.07 ms), with the step and the length of the metric history they go with. When a peer dies, the survivors'
-next collective fails: in the next step's gradient all-reduce, or in a metric reduce or a vote
-between steps. A survivor still at the step its slot names, whose metric history has the length
-every slot names, writes a fast-tier copy of that step from its live model and the slots
-(``SurvivorCopies.write``). The restart then redoes only the step that was cut short, instead of
-everything since the last timed copy (Gupta et al., "Just-In-Time Checkpointing", EuroSys '24,
-do the same from the healthy data-parallel replicas).
+rank leaves those in a slot of its own in node memory in every step, and again after every metric
+reduce (``StepSlots``, about 12 KB and 0.07 ms), with the step and the length of the metric
+history they go with. A step is marked before its last backward: from there on nothing per rank
+changes within the step (backward and the optimizer step draw no random numbers and read no
+data), and that backward's gradient all-reduce is what lets the peers finish the step, so no peer
+can be past the step a dead rank's slot names. Each slot keeps its record before too: a survivor
+whose all-reduce broke is still at the step before, and finds it there.
+
+When a peer dies, the survivors' collective fails: in the step's gradient all-reduce, or in a
+metric reduce or a vote between steps. A survivor whose metric history has the length its step's
+records name, on every slot, writes a fast-tier copy of that step from its live model and the
+slots (``SurvivorCopies.write``). The restart then redoes only the step that was cut short,
+instead of everything since the last timed copy (Gupta et al., "Just-In-Time Checkpointing",
+EuroSys '24, do the same from the healthy data-parallel replicas). Marked after the all-reduce
+instead, a rank killed between its last gradient sent and its mark left the survivors a step
+ahead of its slot: 2 of 17 kills of ``benchmarks/goodput.py``'s job, each re-doing ~100 steps.
 
 When no copy is written, and the restart reads the newest timed copy as before:
 
 - the failure came outside training (a snapshot, an evaluation);
-- any slot names another step, history length or rendezvous round (the dead rank died in the
-  middle of a metric reduce, or its gradient all-reduce finished on the survivors but not on it),
-  or is missing;
+- any slot holds no record of the survivor's step, history length and rendezvous round (the dead
+  rank died in the middle of a metric reduce), or is missing;
 - the ranks are not all on this node (each node sees only its own slots), or the model has
   floating-point buffers (BatchNorm statistics change in the forward pass and differ per rank);
 - a lower local rank is still alive: it writes the copy (the lowest live one does; liveness is an
@@ -81,9 +87,16 @@ class StepSlots:
         header = _HEADER.pack(self._sequence, len(payload), zlib.crc32(payload))
         os.pwrite(self._fds[self._sequence % 2], header + payload, 0)
 
-    def read(self, rank: int) -> dict[str, Any] | None:
-        """The newest intact record of ``rank``'s slot, or None."""
-        newest: tuple[int, dict[str, Any]] | None = None
+    def read(self, rank: int, want: tuple[int, int, str] | None = None) -> dict[str, Any] | None:
+        """The intact record of ``rank``'s slot naming ``want`` (step, metric records, round) if either of its two
+        does, else the newest intact one, or None."""
+        records = self.records(rank)
+        matching = [r for r in records if want is not None and (r["step"], r["records"], r["round"]) == want]
+        return (matching or records or [None])[0]
+
+    def records(self, rank: int) -> list[dict[str, Any]]:
+        """The intact records of ``rank``'s slot, newest first (two, one after a torn write, none if never written)."""
+        found: list[tuple[int, dict[str, Any]]] = []
         for path in self._paths(rank):
             try:
                 with open(path, "rb") as f:
@@ -96,9 +109,8 @@ class StepSlots:
             payload = data[_HEADER.size:_HEADER.size + length]
             if len(payload) != length or zlib.crc32(payload) != crc:
                 continue  # torn by a kill in the middle of its write
-            if newest is None or sequence > newest[0]:
-                newest = (sequence, pickle.loads(payload))
-        return newest[1] if newest else None
+            found.append((sequence, pickle.loads(payload)))
+        return [record for _, record in sorted(found, key=lambda item: item[0], reverse=True)]
 
     def lowest_alive(self) -> bool:
         """No lower local rank is still running (its lock is free: it died, or it never started)."""
@@ -135,7 +147,6 @@ class SurvivorCopies:
         self.rank_state = rank_state  # this rank's stream positions and metric sums (None: not readable at every step)
         ctx = fast.ctx
         self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
-        self.marked: tuple[int, int] | None = None  # (step, history length) of this rank's newest slot
 
     @staticmethod
     def applies(fast: Snapshotter | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
@@ -165,13 +176,12 @@ class SurvivorCopies:
     def mark(self, device: torch.device, step: int | None = None) -> None:
         """This rank's part of a copy of ``step`` (default: the current one), before its next collective.
 
-        Written once a step's gradients are in, before its optimizer step (``step`` is then the
-        one that step completes: nothing per rank changes in between), and after a metric reduce.
+        Written before a step's last backward (``step`` is then the one that step completes: nothing
+        per rank changes in between), and after a metric reduce.
         """
-        marked = (self.progress.global_step if step is None else step, len(self.history.records))
-        self.slots.write({"step": marked[0], "records": marked[1], "round": self.round_id, "rng": _rng_bytes(device),
+        self.slots.write({"step": self.progress.global_step if step is None else step,
+                          "records": len(self.history.records), "round": self.round_id, "rng": _rng_bytes(device),
                           "rank_state": self.rank_state()})
-        self.marked = marked
 
     def write(self, complete: Callable[[], None], meta: dict[str, Any]) -> int | None:
         """A peer was lost while training: write this step's copy if this rank is the node's lowest survivor and
@@ -179,16 +189,17 @@ class SurvivorCopies:
 
         ``complete`` records what a snapshot of this step would hold besides the state.
         """
-        step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records))
-        if self.marked != live:
+        step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records), self.round_id)
+        own = self.slots.read(self.slots.rank, want=live)
+        if own is None or (own["step"], own["records"], own["round"]) != live:
             log.info("no survivor copy: this rank is at step %d with %d metric records, its slot at %s", step, live[1],
-                     self.marked)
+                     (own["step"], own["records"]) if own else None)
             return None
         if not self.slots.lowest_alive():
             return None  # a lower local rank survived: it writes
-        records = [self.slots.read(rank) for rank in range(self.world_size)]
+        records = [self.slots.read(rank, want=live) for rank in range(self.world_size)]
         others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in enumerate(records)}
-        differ = {rank: seen for rank, seen in others.items() if seen != (*live, self.round_id)}
+        differ = {rank: seen for rank, seen in others.items() if seen != live}
         if differ:
             log.info("no survivor copy of step %d: the slots of rank(s) %s name %s (step, metric records, round) "
                      "instead; the restart reads the newest fast copy", step, ",".join(map(str, differ)),

@@ -5,9 +5,10 @@ stays in node memory), then run B starts with the same run.name and snapshot.loc
 store of its own. B must start fresh and end bitwise where an unbroken run ends, and A, launched
 again, must still restore its own copy and end bitwise, with the samples of the unbroken run.
 
-A's crash is also the survivor-copy case of a worker killed in the optimizer step its peer
-finishes: rank 1's slot, written before its optimizer step, already names step 138, so the copy
-is of step 138 (tests/test_resume.py covers the kill inside the forward pass, restored by a
+A's crash is also the survivor-copy case of a worker killed once its gradients reached its peer, which
+finishes the step: rank 1's slot, written before its last backward, already names step 138, so the
+copy is of step 138 (with the slot written after the all-reduce, this kill left it at 137 and no copy:
+2 of 17 kills in benchmarks/goodput.py) (tests/test_resume.py covers the kill inside the forward pass, restored by a
 torchrun restart).
 """
 

@@ -141,8 +141,9 @@ class Node:
         self.progress.global_step = step
         self.history.records = [{"step": i} for i in range(records)]
 
-    def peer_marks(self, step: int, records: int = 0, round_id: str = "round-a", readable: bool = True) -> None:
-        torch.manual_seed(1234)  # the peer's RNG: another stream than this rank's
+    def peer_marks(self, step: int, records: int = 0, round_id: str = "round-a", readable: bool = True,
+                   seed: int = 1234) -> None:
+        torch.manual_seed(seed)  # the peer's RNG: another stream than this rank's
         sums = {"train_sums": {"names": ["loss"], "values": [3.0, 5.0], "samples": [2, 4]}}
         self.peer.write({"step": step, "records": records, "round": round_id, "rng": _rng_bytes(CPU),
                          "rank_state": sums if readable else None})
@@ -185,6 +186,38 @@ def test_the_copy_holds_the_survivors_model_and_every_ranks_rng_and_metric_sums(
     assert state["rank_states"]["train_sums"] == [{"names": ["loss"], "values": [1.0], "samples": [2]},
                                                   {"names": ["loss"], "values": [3.0, 5.0], "samples": [2, 4]}]
     assert node.completed == [True] and len(node.history.records) == 1  # no record of its own at the copy's step
+
+
+def test_a_survivor_whose_all_reduce_broke_copies_the_step_before_from_each_slots_earlier_record(node):
+    # Both ranks marked step 7 before its last backward; the peer died before its gradients reached this rank,
+    # so this rank is still at step 6, and every slot's record before the newest names it.
+    node.at(6, records=1)
+    torch.manual_seed(6)
+    node.copies.mark(CPU)
+    own_rng_at_6 = torch.get_rng_state()
+    node.peer_marks(6, records=1, seed=66)
+    peer_rng_at_6 = _rng_from_bytes(node.peer.read(1)["rng"])["torch"]
+    torch.rand(3)  # this rank's forward of step 7 drew numbers
+    node.copies.mark(CPU, step=7)
+    node.peer_marks(7, records=1, seed=77)
+
+    assert node.write() == 6
+    state = load_object(node.store.latest_valid()[1]["state.pt"], "copy")
+    assert torch.equal(state["rng"][0]["torch"], own_rng_at_6), "this rank's RNG as it was at step 6, not its live one"
+    assert torch.equal(state["rng"][1]["torch"], peer_rng_at_6)
+    assert state["progress"]["global_step"] == 6
+
+
+def test_a_slot_torn_in_its_newest_write_still_gives_the_step_before(node):
+    node.at(6)
+    node.copies.mark(CPU)
+    node.peer_marks(6)
+    node.copies.mark(CPU, step=7)
+    node.peer_marks(7)
+    newest = node.peer._paths(1)[node.peer._sequence % 2]  # the file its last write went to
+    with open(newest, "r+b") as f:  # the peer killed in the middle of its step-7 mark
+        f.truncate(20)
+    assert node.write() == 6
 
 
 def test_no_copy_when_a_slots_sums_could_not_be_read_at_every_step(node):
