@@ -5,8 +5,8 @@
 inside DDP's forward), each under the gradient sync's context (DDP's ``no_sync`` for all but the
 last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-batch's loss and
 metrics to the session, and steps the optimizer. It tells the session when its per-rank state is
-final, before the last backward, so that survivor copies name the step this one completes. ``Trainer`` uses it; a custom loop with
-one optimizer may too. Call ``session.step()`` after ``run``.
+final, before the last backward, so that survivor copies name the step this one completes.
+``Trainer`` uses it; a custom loop with one optimizer may too. Call ``session.step()`` after ``run``.
 """
 
 from __future__ import annotations
