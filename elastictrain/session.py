@@ -232,7 +232,6 @@ class Session:
             log.info("%s", self.state.threads.report())
         self.tiers.begin(self._started_unix)
         self.metrics.begin()
-        self._mark()  # the restored step's per-rank state: a survivor whose first all-reduce breaks copies it
         self._run(self._next_state(self.health.settle(self.tiers, self.global_step)))
 
     def registered(self, name: str) -> Any:
