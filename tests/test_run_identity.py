@@ -7,9 +7,9 @@ again, must still restore its own copy and end bitwise, with the samples of the 
 
 A's crash is also the survivor-copy case of a worker killed once its gradients reached its peer, which
 finishes the step: rank 1's slot, written before its last backward, already names step 138, so the
-copy is of step 138 (with the slot written after the all-reduce, this kill left it at 137 and no copy:
-2 of 17 kills in benchmarks/goodput.py) (tests/test_resume.py covers the kill inside the forward pass, restored by a
-torchrun restart).
+copy is of step 138. Written after the all-reduce, as it was, the slot named 137 and no copy was
+written (2 of 17 kills in benchmarks/goodput.py). tests/test_resume.py covers the kill inside the
+forward pass, restored by a torchrun restart.
 """
 
 from __future__ import annotations
