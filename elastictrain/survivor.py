@@ -197,7 +197,7 @@ class SurvivorCopies:
             return None
         if not self.slots.lowest_alive():
             return None  # a lower local rank survived: it writes
-        records = [self.slots.read(rank, want=live) for rank in range(self.world_size)]
+        records = [own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in range(self.world_size)]
         others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in enumerate(records)}
         differ = {rank: seen for rank, seen in others.items() if seen != live}
         if differ:
