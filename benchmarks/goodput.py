@@ -79,7 +79,6 @@ import torch
 
 from benchmarks import _goodput_timeline as timeline_of
 from benchmarks._goodput_timeline import Kill
-from elastictrain.warmstart import server_prefix
 from tests.helpers import procs
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -235,9 +234,8 @@ def run_job(job: Job, repeat: int, scratch: pathlib.Path, args: argparse.Namespa
             shutil.rmtree(job.fast_tier_url.rsplit("/", 1)[0], ignore_errors=True)
     if launched.leftover_pids():
         raise RuntimeError(f"{job.name}: pids {launched.leftover_pids()} survived SIGKILL")
-    if job.warm:  # the preloaded interpreter and the workers forked from it are no descendants of the agent,
-        # and their command line is the server's, naming its socket (with the agent's pid), not WORKER
-        procs.ensure_none_running(pathlib.Path(server_prefix(launched.proc.pid)), f"after {label}")
+    if job.warm:  # the preloaded interpreter and the workers forked from it are no descendants of the agent
+        procs.ensure_no_warm_servers(launched.proc.pid, f"after {label}")
     if outcome == "completed" and exit_code != 0:
         outcome = "failed"
     print(f"  {label}: {outcome} in {exit_unix - launch_unix:.1f} s with {len(kills)} kills", file=sys.stderr, flush=True)

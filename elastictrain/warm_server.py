@@ -1,13 +1,13 @@
 """The server of warm restarts, one per node, torchrun agent and environment; and the child it forks per worker.
 
-The server imports torch (and the ``--preload`` modules) once, then forks a child for every client
-that connects. The child takes on the client's streams, environment, directory and arguments and
-runs the script as ``__main__``: it is the worker. How the pieces fit: the docstring of warmstart.py.
+The server is forked from a first-attempt worker of the node once that worker has imported torch
+(and the ``--preload`` modules), and forks a child for every client that connects. The child takes
+on the client's streams, environment, directory and arguments and runs the script as ``__main__``:
+it is the worker. How the pieces fit: the docstring of warmstart.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import runpy
@@ -35,24 +35,11 @@ class ChildJob:
     server_pid: int
 
 
-def serve(base: str, lock_fd: int, agent_fd: int, preload: tuple[str, ...]) -> ChildJob | None:
-    """Import ``preload``, then fork a child per request until the agent exits.
+def serve(base: str, lock_fd: int, agent_fd: int) -> ChildJob | None:
+    """Fork a child per request until the agent exits; what the children share is imported already.
 
     Returns None in the server when its agent is gone, and a ChildJob in each forked child.
     """
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # noqa: BLE001 - any failure means: no warm restarts, say why
-            say(f"preloading {name} failed ({type(error).__name__}: {error}); restarts run cold")
-            return None
-    if "torch" in sys.modules:
-        from .threads import warm_up  # torch is loaded: the children's first MKL report costs nothing then
-
-        try:
-            warm_up()
-        except Exception as error:  # noqa: BLE001 - a probe that fails here fails in the child too, and says so there
-            say(f"warming up MKL's report failed ({type(error).__name__}: {error})")
     me, path = os.getpid(), base + ".sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     umask = os.umask(0o077)
@@ -151,13 +138,17 @@ def run_child(job: ChildJob) -> None:
     threading.Thread(target=_die_with_client, args=(job.connection,), name="elastictrain-warmstart", daemon=True).start()
     say(f"started warm, forked from the preloaded interpreter (pid {job.server_pid}) "
          f"{time.time() - request['client_started']:.2f} s after torchrun started this worker")
-    if request["module"]:
-        sys.argv = [request["module"], *request["args"]]
-        sys.path[0] = request["cwd"]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    run_target(request["module"], request["script"], request["args"], request["cwd"])
+
+
+def run_target(module: str | None, script: str | None, args: list[str] | tuple[str, ...], cwd: str) -> None:
+    """Run the script, or the module, as ``__main__`` with ``args``, as ``python [-m] TARGET ARGS`` would."""
+    if module:
+        sys.argv = [module, *args]
+        sys.path[0] = cwd
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
-        script = request["script"]
-        sys.argv = [script, *request["args"]]
+        sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
 

@@ -10,10 +10,12 @@ imports) before it trains: about 2.4 s of a 3 s restart on 2 CPU cores. Put
 
 How. The process torchrun starts is a thin client: this module, standard library only.
 
-- **First start of a job on a node.** No server exists yet. The client starts one in the
-  background, detached in its own session and tied to the torchrun agent: it exits the moment
-  the agent does. Then the client becomes the worker itself with ``exec``. So the first attempt
-  runs cold, exactly as without this module.
+- **First start of a job on a node.** No server exists yet. One local rank (the first to take
+  the node's lock) imports what the server preloads (torch, torch.distributed, torch._dynamo,
+  elastictrain.loop and ``--preload``), imports it the worker would make anyway, then forks the
+  server from itself, detached in its own session and tied to the torchrun agent (it exits the
+  moment the agent does), and runs the script itself. The other local ranks ``exec`` the script.
+  So the first attempt runs cold, and the server costs it no import of its own.
 - **Every later start.** The client connects to the server's unix socket and hands over its
   arguments, environment, working directory and standard streams (the file descriptors, over
   SCM_RIGHTS). The server forks a child that takes them on and runs the script as ``__main__``.
@@ -35,18 +37,21 @@ fresh interpreter would be.
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
+import importlib
 import json
 import os
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
 from .warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
-from .warm_server import run_child, serve
+from .warm_server import ChildJob, run_child, run_target, serve
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastictrain.loop")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -114,7 +119,7 @@ def server_base(target: Target, agent_pid: int) -> str:
 
 
 def server_prefix(agent_pid: int) -> str:
-    """What the paths of every server of this user and torchrun agent start with (the server's command line names them)."""
+    """What the paths of every server of this user and torchrun agent start with (its socket and lock file)."""
     return os.path.join(runtime_dir(), f"elastictrain-warm-{os.getuid()}-{agent_pid}-")
 
 
@@ -128,11 +133,6 @@ def runtime_dir() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve"]:
-        job = serve(argv[1], int(argv[2]), int(argv[3]), tuple(filter(None, argv[4].split(","))))
-        if job is not None:  # only in a forked child: it is the worker now
-            run_child(job)
-        return
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(HELP)
         return
@@ -144,10 +144,17 @@ def main(argv: list[str] | None = None) -> None:
         run_cold(target)  # not under torchrun (no agent to tie a server to), or no pidfds: plain start
     base = server_base(target, os.getppid())
     connection = _connect(base + ".sock")
-    if connection is None:
-        _start_server(base, target)
+    if connection is not None:
+        _run_warm(connection, target)
+    started = _start_server(base, target)
+    if started is None:
         run_cold(target)
-    _run_warm(connection, target)
+    elif started is SERVED:  # the server, once its agent has exited and its files are gone: nothing to flush
+        os._exit(0)
+    elif isinstance(started, ChildJob):  # a worker the server forked for a later start
+        run_child(started)
+    else:  # this worker imported what the server preloads and forked the server from itself
+        run_target(target.module, target.script, target.args, os.getcwd())
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -164,45 +171,102 @@ def _connect(path: str) -> socket.socket | None:
     return connection
 
 
-def _start_server(base: str, target: Target) -> None:
-    """Start the node's server unless another local rank is starting it; never wait for it."""
+SERVED = object()  # what _start_server returns in the server once it is done serving
+SEEDED = object()  # ... and in the worker that forked the server from itself
+
+
+def _start_server(base: str, target: Target) -> object:
+    """Fork the node's server from this worker once it has imported what the server preloads.
+
+    Returns None when another local rank is doing it (or it cannot be done; one line says why):
+    this worker then starts cold. Otherwise SEEDED in this worker, SERVED in the server when its
+    agent has exited, and a ChildJob in each worker the server forks later. The import is one the
+    worker pays anyway, so the server costs the first attempt no CPU of its own.
+    """
     try:
         lock_fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as error:
         say(f"cannot create {base}.lock ({error}): this start runs cold, and so will restarts")
-        return
+        return None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: another local rank is starting the server, or it is still importing
+    except OSError:  # held: another local rank is forking the server, or it is still importing
         os.close(lock_fd)
         say("this start runs cold: the preloaded interpreter is not ready yet")
-        return
+        return None
     try:
         agent_fd = os.pidfd_open(os.getppid())
     except OSError as error:
         say(f"cannot watch the torchrun agent ({error}); restarts run cold")
         os.close(lock_fd)
-        return
-    flags = _interpreter_flags()
+        return None
+    if not preload(target.preload) or threading.active_count() > 1:
+        if threading.active_count() > 1:
+            say(f"the preloaded modules started threads ({threading.active_count() - 1}): a fork of them is unsafe; "
+                "restarts run cold")
+        os.close(lock_fd)
+        os.close(agent_fd)
+        return SEEDED  # what it imported stays imported: the target runs here, as it would have
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the client has no threads yet: fork is safe
+    if pid == 0:
         try:
-            os.setsid()
+            os.setsid()  # detached from the worker's session: torchrun's kill of the worker group misses it
             if os.fork() != 0:
                 os._exit(0)
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)
-            os.dup2(devnull, 1)  # stderr stays: a failed preload says so in the job's log
-            os.set_inheritable(lock_fd, True)
-            os.set_inheritable(agent_fd, True)
-            os.execv(sys.executable, [sys.executable, *flags, "-m", "elastictrain.warmstart", "--serve", base,
-                                      str(lock_fd), str(agent_fd), ",".join(target.preload)])
-        finally:
+            os.dup2(devnull, 1)  # stderr stays until it listens: a failure says so in the job's log
+            os.close(devnull)
+            os.ftruncate(lock_fd, 0)
+            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)  # server_pids() reads it
+            job = serve(base, lock_fd, agent_fd)
+        except BaseException:  # noqa: BLE001 - never run on as a second copy of the worker
             os._exit(1)
+        return SERVED if job is None else job
     os.waitpid(pid, 0)
     os.close(lock_fd)
     os.close(agent_fd)
-    say("this start runs cold; a preloaded interpreter is starting beside it, and restarts fork from it")
+    say("this start runs cold and forked a preloaded interpreter from itself: restarts fork from it")
+    return SEEDED
+
+
+def preload(names: tuple[str, ...]) -> bool:
+    """Import ``names`` and warm up MKL's report (``threads.warm_up``) here, before the server is forked.
+
+    False, with one line, when an import fails: no server then, and the worker runs on as it would have.
+    """
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - any failure means: no warm restarts, say why
+            say(f"preloading {name} failed ({type(error).__name__}: {error}); restarts run cold")
+            return False
+    if "torch" in sys.modules:
+        from .threads import warm_up  # torch is loaded: the children's first MKL report costs nothing then
+
+        try:
+            warm_up()
+        except Exception as error:  # noqa: BLE001 - a probe that fails here fails in the child too, and says so there
+            say(f"warming up MKL's report failed ({type(error).__name__}: {error})")
+    return True
+
+
+def server_pids(agent_pid: int) -> list[int]:
+    """The live warm-start servers of this user and torchrun agent: each writes its pid into its lock file."""
+    found = []
+    for lock in glob.glob(glob.escape(server_prefix(agent_pid)) + "*.lock"):
+        try:
+            with open(lock) as lock_file:
+                pid = int(lock_file.read() or 0)
+            with open(f"/proc/{pid}/stat") as stat_file:
+                alive = pid > 0 and stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, ValueError):
+            continue
+        if alive:
+            found.append(pid)
+    return sorted(found)
 
 
 def _run_warm(connection: socket.socket, target: Target) -> None:

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, server_prefix
+from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, server_pids, server_prefix
 from tests.conftest import REPO_ROOT, job_env, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -80,6 +80,30 @@ def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(
     assert "warm" not in ended.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preloaded, said", [
+    ("threaded_preload", "the preloaded modules started threads (1): a fork of them is unsafe; restarts run cold"),
+    ("missing_preload", "preloading missing_preload failed (ModuleNotFoundError: No module named 'missing_preload'); "
+                        "restarts run cold"),
+])
+def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_runs_as_it_would_have(
+        tmp_path, preloaded, said):
+    # Under torchrun's environment with no server yet, this process takes the lock and preloads; a module
+    # that starts a thread makes a fork unsafe, one that fails makes it pointless: one line, and no server.
+    (tmp_path / "threaded_preload.py").write_text("import threading, time\n"
+                                                  "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:], 'name', __name__)\nsys.exit(5)\n")
+    env = {**job_env(), "TORCHELASTIC_RUN_ID": "preload-test", "XDG_RUNTIME_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
+    ended = subprocess.run([sys.executable, "-m", "elastictrain.warmstart", "--preload", f"json,{preloaded}",
+                            str(script), "a"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert ended.returncode == 5, ended.stderr
+    assert ended.stdout == "argv ['a'] name __main__\n"
+    assert ended.stderr == f"elastictrain.warmstart: {said}\n"
+    assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*.sock"))
+
+
 def client_pid(agent_pid: int, rank: int) -> int:
     """The pid torchrun started for ``rank`` (the client), from the agent's children's environments."""
     for pid in procs.descendants(agent_pid):
@@ -111,6 +135,7 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     marker = lambda rank, call: tmp_path / "trace" / f"paused-rank{rank}-call{call}.pid"  # noqa: E731
 
     cold = int(procs.wait_for_file(marker(1, 30), TIMEOUT_S, job))
+    seen_servers = set(server_pids(job.proc.pid))
     assert cold == client_pid(job.proc.pid, 1), "the first attempt runs cold: the worker is what torchrun started"
     os.kill(cold, signal.SIGKILL)
 
@@ -130,6 +155,8 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     output = job.output()
     servers = {int(pid) for pid in WARM.findall(output)}
     assert len(WARM.findall(output)) == 8 and len(servers) == 1, "attempts 1-4 of both ranks start warm from one server"
+    assert output.count("forked a preloaded interpreter from itself") == 1, "one first-attempt worker forked the server"
+    assert seen_servers == servers, "the server names itself in its lock file"
     assert "rank 1 received SIGTERM at step 100" in output
     pinned = re.findall(r"threads pinned for bitwise results: (.*) \(count: ", output)  # probed in each child after
     assert len(pinned) == 5 and len(set(pinned)) == 1, pinned  # the server's warm-up: the runtime of the cold start
@@ -159,25 +186,27 @@ def test_help_prints_usage_and_a_missing_script_says_so_once():
     assert missing.stderr.startswith("elastictrain.warmstart: give the script to run"), missing.stderr
 
 
-SERVER = '''
-import os, sys
-from elastictrain import threads
-from elastictrain.warm_server import serve
+PRELOAD = '''
+import sys
+from elastictrain import threads, warmstart
 
 threads.warm_up = lambda: print("warmed up with", sorted(m for m in ("torch", "json") if m in sys.modules), flush=True)
-agent, gone = os.pipe()
-os.close(gone)  # the agent has exited: the server returns at its first look
-lock = os.open(sys.argv[1] + ".lock", os.O_CREAT | os.O_RDWR)
-print("served:", serve(sys.argv[1], lock, agent, tuple(sys.argv[2].split(","))), flush=True)
+print("preloaded:", warmstart.preload(tuple(sys.argv[1].split(","))), flush=True)
 '''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preload", ["torch", "json"])
-def test_the_server_warms_up_mkls_report_for_its_children_once_torch_is_preloaded(tmp_path, preload):
-    # MKL's first verbose report times the CPU's clock (0.3-0.7 s): a forked child that inherits it reports at once.
-    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp_path / "s"), preload], capture_output=True,
-                          text=True, env=job_env(), cwd=REPO_ROOT, timeout=120)
+@pytest.mark.parametrize("preload, lines", [
+    ("torch", ["warmed up with ['json', 'torch']", "preloaded: True"]),
+    ("json", ["preloaded: True"]),
+    ("json,no_such_module_here", ["preloaded: False"]),
+])
+def test_the_preload_warms_up_mkls_report_once_torch_is_imported_and_a_failed_import_says_so(preload, lines):
+    # MKL's first verbose report times the CPU's clock (0.3-0.7 s): a server forked after it reports at once.
+    done = subprocess.run([sys.executable, "-c", PRELOAD, preload], capture_output=True, text=True, env=job_env(),
+                          cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = ["warmed up with ['json', 'torch']"] if preload == "torch" else []
-    assert done.stdout.splitlines() == [*expected, "served: None"]
+    assert done.stdout.splitlines() == lines
+    failed = ["elastictrain.warmstart: preloading no_such_module_here failed (ModuleNotFoundError: "
+              "No module named 'no_such_module_here'); restarts run cold"]
+    assert done.stderr.splitlines() == (failed if "no_such" in preload else [])

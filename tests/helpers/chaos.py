@@ -310,9 +310,9 @@ class ChaosJob:
         for launched in self.launches:
             prefix = server_prefix(launched.proc.pid)
             deadline = time.monotonic() + SERVER_EXIT_S
-            while procs.pids_running(Path(prefix)) and time.monotonic() < deadline:
+            while procs.warm_servers(launched.proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            found += [f"warm-start server pid {pid} alive" for pid in procs.pids_running(Path(prefix))]
+            found += [f"warm-start server pid {pid} alive" for pid in procs.warm_servers(launched.proc.pid)]
             found += [f"socket file {path}" for path in Path(prefix).parent.glob(Path(prefix).name + "*")]
         port = int(self.nodes.endpoint.rsplit(":", 1)[1])
         if port in listening_ports():

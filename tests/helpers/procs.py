@@ -130,6 +130,24 @@ def ensure_none_running(script: pathlib.Path, context: str, grace_s: float = 5.0
         )
 
 
+def warm_servers(agent_pid: int) -> list[int]:
+    """The live warm-start servers of a torchrun agent and the workers they forked: none is a descendant of the agent."""
+    from elastictrain.warmstart import server_pids
+
+    servers = server_pids(agent_pid)
+    return sorted({*servers, *(pid for server in servers for pid in descendants(server))})
+
+
+def ensure_no_warm_servers(agent_pid: int, context: str, grace_s: float = 5.0) -> None:
+    """Wait up to ``grace_s`` for the warm-start servers of ``agent_pid`` (and their workers) to be gone; raise if not."""
+    deadline = time.monotonic() + grace_s
+    while (survivors := warm_servers(agent_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if survivors:
+        raise RuntimeError(f"{context}: the warm-start server of agent {agent_pid} or its workers are still alive: "
+                           f"{survivors}; a run would share the machine with them, so the benchmark stops here")
+
+
 def _tail(text: str, lines: int = OUTPUT_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
