@@ -176,10 +176,10 @@ _VERBOSE = re.compile(rb"CNR:(\S+)\s+Dyn:(\d)")
 
 
 def warm_up() -> None:
-    """In the warm-start server, once: MKL's verbose mode times the CPU's clock the first time it reports
-    (0.3-0.7 s here), and every worker forked from the server inherits that instead of paying it before
-    its start-up line (``probe``), which the other ranks wait for. One single-threaded 16x16 product: no
-    thread pool is started before the forks."""
+    """In the worker that forks the warm-start server, once: MKL's verbose mode times the CPU's clock the first
+    time it reports (it waits for the wall clock's next whole second: 0 to 1 s), and every worker forked from the
+    server inherits that instead of paying it before its start-up line (``probe``), which the other ranks
+    wait for. One single-threaded 16x16 product: no thread pool is started before the forks."""
     _mkl_modes()
 
 

@@ -10,12 +10,14 @@ imports) before it trains: about 2.4 s of a 3 s restart on 2 CPU cores. Put
 
 How. The process torchrun starts is a thin client: this module, standard library only.
 
-- **First start of a job on a node.** No server exists yet. One local rank (the first to take
-  the node's lock) imports what the server preloads (torch, torch.distributed, torch._dynamo,
-  elastictrain.loop and ``--preload``), imports it the worker would make anyway, then forks the
+- **First start of a job on a node.** No server exists yet. Local rank 0 imports what the server
+  preloads (torch, torch.distributed, torch._dynamo, elastictrain.loop and ``--preload``), imports
+  the worker would make anyway, runs MKL's report probe (``threads.warm_up``), then forks the
   server from itself, detached in its own session and tied to the torchrun agent (it exits the
   moment the agent does), and runs the script itself. The other local ranks ``exec`` the script.
-  So the first attempt runs cold, and the server costs it no import of its own.
+  So the first attempt runs cold, and the server costs it no import of its own. Local rank 0,
+  because the probe waits for the wall clock's next second (MKL times its clock over one): rank 0
+  pays that wait for its start-up line anyway, and now pays it once.
 - **Every later start.** The client connects to the server's unix socket and hands over its
   arguments, environment, working directory and standard streams (the file descriptors, over
   SCM_RIGHTS). The server forks a child that takes them on and runs the script as ``__main__``.
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     connection = _connect(base + ".sock")
     if connection is not None:
         _run_warm(connection, target)
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # local rank 0 forks the server; the others need not wait for it
+        say("this start runs cold: local rank 0 forks the preloaded interpreter")
+        run_cold(target)
     started = _start_server(base, target)
     if started is None:
         run_cold(target)
