@@ -81,20 +81,22 @@ def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preloaded, said", [
-    ("threaded_preload", "the preloaded modules started threads (1): a fork of them is unsafe; restarts run cold"),
-    ("missing_preload", "preloading missing_preload failed (ModuleNotFoundError: No module named 'missing_preload'); "
-                        "restarts run cold"),
+@pytest.mark.parametrize("preloaded, local_rank, said", [
+    ("threaded_preload", "0", "the preloaded modules started threads (1): a fork of them is unsafe; restarts run cold"),
+    ("missing_preload", "0", "preloading missing_preload failed (ModuleNotFoundError: No module named "
+                             "'missing_preload'); restarts run cold"),
+    ("threaded_preload", "1", "this start runs cold: local rank 0 forks the preloaded interpreter"),
 ])
 def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_runs_as_it_would_have(
-        tmp_path, preloaded, said):
-    # Under torchrun's environment with no server yet, this process takes the lock and preloads; a module
+        tmp_path, preloaded, local_rank, said):
+    # Under torchrun's environment with no server yet, local rank 0 takes the lock and preloads; a module
     # that starts a thread makes a fork unsafe, one that fails makes it pointless: one line, and no server.
+    # Another local rank neither preloads nor waits: it starts cold at once.
     (tmp_path / "threaded_preload.py").write_text("import threading, time\n"
                                                   "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     script = tmp_path / "script.py"
     script.write_text("import sys\nprint('argv', sys.argv[1:], 'name', __name__)\nsys.exit(5)\n")
-    env = {**job_env(), "TORCHELASTIC_RUN_ID": "preload-test", "XDG_RUNTIME_DIR": str(tmp_path),
+    env = {**job_env(), "TORCHELASTIC_RUN_ID": "preload-test", "LOCAL_RANK": local_rank, "XDG_RUNTIME_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
     ended = subprocess.run([sys.executable, "-m", "elastictrain.warmstart", "--preload", f"json,{preloaded}",
                             str(script), "a"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
