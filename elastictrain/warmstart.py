@@ -15,9 +15,9 @@ How. The process torchrun starts is a thin client: this module, standard library
   the worker would make anyway, runs MKL's report probe (``threads.warm_up``), then forks the
   server from itself, detached in its own session and tied to the torchrun agent (it exits the
   moment the agent does), and runs the script itself. The other local ranks ``exec`` the script.
-  So the first attempt runs cold, and the server costs it no import of its own. Local rank 0,
-  because the probe waits for the wall clock's next second (MKL times its clock over one): rank 0
-  pays that wait for its start-up line anyway, and now pays it once.
+  So the first attempt runs cold, and the server costs it no import of its own. Why local rank 0:
+  the probe waits for the wall clock's next second (MKL times its clock over one), a wait rank 0
+  pays for its start-up line anyway; in the seed it is paid once.
 - **Every later start.** The client connects to the server's unix socket and hands over its
   arguments, environment, working directory and standard streams (the file descriptors, over
   SCM_RIGHTS). The server forks a child that takes them on and runs the script as ``__main__``.
@@ -183,8 +183,8 @@ SEEDED = object()  # ... and in the worker that forked the server from itself
 def _start_server(base: str, target: Target) -> object:
     """Fork the node's server from this worker once it has imported what the server preloads.
 
-    Returns None when another local rank is doing it (or it cannot be done; one line says why):
-    this worker then starts cold. Otherwise SEEDED in this worker, SERVED in the server when its
+    Returns None when a server of this agent holds the lock but does not answer yet (or it cannot
+    be done; one line says why): this worker then starts cold. Otherwise SEEDED in this worker, SERVED in the server when its
     agent has exited, and a ChildJob in each worker the server forks later. The import is one the
     worker pays anyway, so the server costs the first attempt no CPU of its own.
     """
@@ -195,7 +195,7 @@ def _start_server(base: str, target: Target) -> object:
         return None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: another local rank is forking the server, or it is still importing
+    except OSError:  # held: this agent's server is being forked, or has not bound its socket yet
         os.close(lock_fd)
         say("this start runs cold: the preloaded interpreter is not ready yet")
         return None
