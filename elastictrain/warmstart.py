@@ -205,10 +205,12 @@ def _start_server(base: str, target: Target) -> object:
         say(f"cannot watch the torchrun agent ({error}); restarts run cold")
         os.close(lock_fd)
         return None
-    if not preload(target.preload) or threading.active_count() > 1:
-        if threading.active_count() > 1:
-            say(f"the preloaded modules started threads ({threading.active_count() - 1}): a fork of them is unsafe; "
-                "restarts run cold")
+    preloaded = preload(target.preload)
+    started_threads = threading.active_count() - 1
+    if preloaded and started_threads:
+        say(f"the preloaded modules started threads ({started_threads}): a fork of them is unsafe; restarts run cold")
+    if not preloaded or started_threads:
+        os.unlink(base + ".lock")  # no server will own it
         os.close(lock_fd)
         os.close(agent_fd)
         return SEEDED  # what it imported stays imported: the target runs here, as it would have

@@ -103,7 +103,7 @@ def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_
     assert ended.returncode == 5, ended.stderr
     assert ended.stdout == "argv ['a'] name __main__\n"
     assert ended.stderr == f"elastictrain.warmstart: {said}\n"
-    assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*.sock"))
+    assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*"))
 
 
 def client_pid(agent_pid: int, rank: int) -> int:
