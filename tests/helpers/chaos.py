@@ -309,10 +309,8 @@ class ChaosJob:
         found = [f"pid {pid} alive" for launched in self.launches for pid in launched.leftover_pids()]
         for launched in self.launches:
             prefix = server_prefix(launched.proc.pid)
-            deadline = time.monotonic() + SERVER_EXIT_S
-            while procs.warm_servers(launched.proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            found += [f"warm-start server pid {pid} alive" for pid in procs.warm_servers(launched.proc.pid)]
+            alive = procs.still_running(lambda: procs.warm_servers(launched.proc.pid), SERVER_EXIT_S)
+            found += [f"warm-start server pid {pid} alive" for pid in alive]
             found += [f"socket file {path}" for path in Path(prefix).parent.glob(Path(prefix).name + "*")]
         port = int(self.nodes.endpoint.rsplit(":", 1)[1])
         if port in listening_ports():

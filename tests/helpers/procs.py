@@ -118,12 +118,17 @@ def pids_running(script: pathlib.Path) -> list[int]:
     return sorted(found)
 
 
+def still_running(find: Callable[[], list[int]], grace_s: float) -> list[int]:
+    """Poll ``find`` until it finds no pid or ``grace_s`` has passed; the pids it found last."""
+    deadline = time.monotonic() + grace_s
+    while (survivors := find()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return survivors
+
+
 def ensure_none_running(script: pathlib.Path, context: str, grace_s: float = 5.0) -> None:
     """Wait up to ``grace_s`` for every process running ``script`` to be gone; raise naming those that are not."""
-    deadline = time.monotonic() + grace_s
-    while (survivors := pids_running(script)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if survivors:
+    if survivors := still_running(lambda: pids_running(script), grace_s):
         raise RuntimeError(
             f"{context}: processes running {script.name} are still alive: {survivors}; "
             "a run would share the machine with them, so the benchmark stops here"
@@ -140,10 +145,7 @@ def warm_servers(agent_pid: int) -> list[int]:
 
 def ensure_no_warm_servers(agent_pid: int, context: str, grace_s: float = 5.0) -> None:
     """Wait up to ``grace_s`` for the warm-start servers of ``agent_pid`` (and their workers) to be gone; raise if not."""
-    deadline = time.monotonic() + grace_s
-    while (survivors := warm_servers(agent_pid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if survivors:
+    if survivors := still_running(lambda: warm_servers(agent_pid), grace_s):
         raise RuntimeError(f"{context}: the warm-start server of agent {agent_pid} or its workers are still alive: "
                            f"{survivors}; a run would share the machine with them, so the benchmark stops here")
 
