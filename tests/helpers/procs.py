@@ -243,9 +243,14 @@ class Launched:
         The tree is first frozen with SIGSTOP, repeating until a refresh finds no new pid, so
         no process can start a child between being seen and being killed.
         """
+        from elastictrain.warmstart import server_pids
+
+        # A warm-start server is forked from a worker, so the search can adopt it in that moment; left alone, it
+        # exits with its agent and removes its socket and lock file, which a SIGKILL would leave behind.
+        servers = set(server_pids(self.proc.pid))
         stopped: set[int] = set()
         while True:
-            live = self.refresh()
+            live = self.refresh() - servers
             new_pids = live - stopped
             if not new_pids:
                 break
