@@ -25,7 +25,7 @@ import pytest
 from elastictrain.data import epoch_order
 from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
-from tests.conftest import JobResult, job_env, parse_job, torchrun_command
+from tests.conftest import JobResult, WARM, job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.etcd import EtcdServer
@@ -77,7 +77,7 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
     trace_dir.mkdir(parents=True)
     overrides = [*JOB, *extra, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
                  f"task.args.pauses=[[{lost},{KILL_STEP}],[0,{GROW_CALL}]]"]  # node i holds rank i
-    nodes = NodeGroup(workdir, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+    nodes = NodeGroup(workdir, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
                       env={**ENV, "RDZV_BACKEND": backend}, **({"endpoint": endpoint} if endpoint else {}))
 
     def host_store(index: int) -> bool | None:  # c10d: agent 0 hosts the rendezvous; etcd: nobody does
@@ -91,7 +91,8 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
         after_kill()
 
     survivor = nodes.agents[1 - lost]
-    survivor_pid = int(procs.wait_for_file(trace_dir / f"paused-rank0-call{GROW_CALL}.pid", TIMEOUT_S, survivor))
+    procs.wait_for_file(trace_dir / f"paused-rank0-call{GROW_CALL}.pid", TIMEOUT_S, survivor)
+    survivor_pid = procs.torchrun_worker(survivor.proc.pid, 0)  # its warm client: the pid torchrun's lines name
     nodes.launch(lost, host_store=host_store(lost))
     # The survivor's agent sees the new node waiting and stops its worker: SIGTERM, sent right after
     # torchrun's line. The worker, let go, finishes the step and snapshots exactly that step.
@@ -215,7 +216,7 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
                  f"task.args.pauses=[[0,{KILL_STEP}]]", f"track.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
                  f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local.every_steps=5"]
-    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)
     procs.wait_for_file(tmp_path / "trace" / f"paused-rank0-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[0])

@@ -28,7 +28,7 @@ from elastictrain.manifest import Manifest
 from elastictrain.snapshot import params_sha256
 from elastictrain.tasks import spirals
 
-from tests.conftest import job_env, parse_job, torchrun_command
+from tests.conftest import WARM, job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps
@@ -39,7 +39,7 @@ FSDP = [*JOB, "dist.strategy=fsdp", "train.max_epochs=2", "task.args.val_samples
 def launch(tmp_path, name: str, extra: list[str] = (), nproc: int = 2, run_dir=None) -> procs.Launched:
     (tmp_path / "trace").mkdir(exist_ok=True)
     overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={run_dir or tmp_path / 'run'}", *extra]
-    return procs.launch(torchrun_command(overrides, nproc=nproc), log_path=tmp_path / f"{name}.log", env=job_env(),
+    return procs.launch(torchrun_command(overrides, nproc=nproc, warmstart=True), log_path=tmp_path / f"{name}.log", env=job_env(),
                         cwd=tmp_path)
 
 
@@ -268,7 +268,7 @@ def test_fsdp_node_loss_restores_the_lost_nodes_shards_from_its_peers_memory_bit
     overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={tmp_path / 'run'}",
                  f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", *FAST, "task.args.pause_rank=1",
                  "task.args.pause_at_step=60"]
-    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", *overrides], nnodes="2", rdzv_conf=RDZV_CONF,
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="2", rdzv_conf=RDZV_CONF,
                       env={"OMP_NUM_THREADS": "1"})  # as torchrun sets it for the reference's two workers
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)

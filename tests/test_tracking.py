@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
+from tests.conftest import REPO_ROOT, WARM, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import start_steps
 from elastictrain.config import REDACTED, load_config
@@ -51,7 +51,9 @@ def mlflow_server(tmp_path_factory):
 
 def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = None) -> procs.Launched:
     script = [str(PAUSED)] if pauses is not None else []
-    command = [*torchrun_launcher(max_restarts=4), *script, str(REPO_ROOT / "examples" / "accumulation.py"),
+    # Warm restarts, with the trackers' libraries preloaded (each worker would import them again: ~3 s of CPU).
+    command = [*torchrun_launcher(max_restarts=4), *WARM, "--preload", "mlflow.tracking,torch.utils.tensorboard", *script,
+               str(REPO_ROOT / "examples" / "accumulation.py"),
                f"run.dir={workdir / 'run'}", f"track.mlflow_uri={server.uri}", f"track.mlflow_experiment={workdir.name}",
                *COMMON]
     env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}
@@ -114,7 +116,8 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     job = launch(tmp_path, "first", mlflow_server, pauses)
     for rank, step in kills:
         os.kill(int(procs.wait_for_file(tmp_path / f"paused-rank{rank}-step{step}.pid", TIMEOUT_S, job)), signal.SIGKILL)
-    paused = int(procs.wait_for_file(tmp_path / f"paused-rank0-step{preempt_step}.pid", TIMEOUT_S, job))
+    procs.wait_for_file(tmp_path / f"paused-rank0-step{preempt_step}.pid", TIMEOUT_S, job)
+    paused = procs.torchrun_worker(job.proc.pid, 0)  # its warm client: the pid torchrun's lines name
     os.kill(job.proc.pid, signal.SIGTERM)
     job.wait_for(lambda out: f"Sending process {paused} closing signal SIGTERM" in out, TIMEOUT_S, "SIGTERM to rank 0")
     (tmp_path / f"paused-rank0-step{preempt_step}.resume").touch()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -106,18 +105,6 @@ def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_
     assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*"))
 
 
-def client_pid(agent_pid: int, rank: int) -> int:
-    """The pid torchrun started for ``rank`` (the client), from the agent's children's environments."""
-    for pid in procs.descendants(agent_pid):
-        try:
-            environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if procs.parent_pid(pid) == agent_pid and f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under agent {agent_pid}")
-
-
 def wait_gone(pid: int, timeout_s: float = 10.0) -> float:
     started = time.monotonic()
     while procs.pid_alive(pid):
@@ -138,19 +125,19 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
 
     cold = int(procs.wait_for_file(marker(1, 30), TIMEOUT_S, job))
     seen_servers = set(server_pids(job.proc.pid))
-    assert cold == client_pid(job.proc.pid, 1), "the first attempt runs cold: the worker is what torchrun started"
+    assert cold == procs.torchrun_worker(job.proc.pid, 1), "the first attempt runs cold: the worker is what torchrun started"
     os.kill(cold, signal.SIGKILL)
 
     warm_child = int(procs.wait_for_file(marker(0, 40), TIMEOUT_S, job))
-    assert warm_child != client_pid(job.proc.pid, 0), "a restarted worker is a child of the preloaded interpreter"
+    assert warm_child != procs.torchrun_worker(job.proc.pid, 0), "a restarted worker is a child of the preloaded interpreter"
     os.kill(warm_child, signal.SIGKILL)  # its client must end as it did: torchrun sees -9
 
     paused = int(procs.wait_for_file(marker(1, 50), TIMEOUT_S, job))
-    os.kill(client_pid(job.proc.pid, 1), signal.SIGTERM)  # forwarded to the child: a preemption
+    os.kill(procs.torchrun_worker(job.proc.pid, 1), signal.SIGTERM)  # forwarded to the child: a preemption
     marker(1, 50).with_suffix(".resume").touch()
 
     last_child = int(procs.wait_for_file(marker(0, 80), TIMEOUT_S, job))
-    os.kill(client_pid(job.proc.pid, 0), signal.SIGKILL)
+    os.kill(procs.torchrun_worker(job.proc.pid, 0), signal.SIGKILL)
     print(f"child gone {wait_gone(last_child):.2f} s after its client's SIGKILL")
 
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]

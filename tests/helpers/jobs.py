@@ -47,7 +47,9 @@ def start_steps(output: str) -> list[int]:
 
 
 def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: bool = False,
-               env: dict[str, str] | None = None, max_restarts: int = 3, warmstart: bool = False) -> procs.Launched:
+               env: dict[str, str] | None = None, max_restarts: int = 3, warmstart: bool = True) -> procs.Launched:
+    """The traced job under torchrun (or one process), with warm restarts unless ``warmstart=False``
+    (tests/conftest.py's WARM says why)."""
     overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}", *extra]
     (workdir / "trace").mkdir(exist_ok=True)
     command = (python_command(overrides) if single_process

@@ -98,6 +98,27 @@ def parent_pid(pid: int) -> int | None:
     return None if stat is None else stat.ppid
 
 
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def torchrun_worker(root_pid: int, rank: int) -> int:
+    """The pid torchrun started for ``rank`` under ``root_pid`` (its agent, or what started the agent).
+
+    The process with ``RANK=<rank>`` in its environment whose parent has none: the worker when it starts
+    cold, its client when it starts warm (the training process is then a child of the warm-start server,
+    elsewhere; torchrun's lines name the client, which forwards every signal to it). Not a DataLoader worker.
+    """
+    entry = f"RANK={rank}".encode()
+    for pid in descendants(root_pid):
+        if entry in _environ(pid) and not any(e.startswith(b"RANK=") for e in _environ(parent_pid(pid) or 0)):
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under pid {root_pid}")
+
+
 def pid_alive(pid: int) -> bool:
     """True if pid exists and is not a zombie; False for zombies and for missing pids."""
     return _is_live(_read_stat(pid))
