@@ -37,6 +37,7 @@ AUTO = "auto"
 FIRST_INTERVAL_S = 1.0  # auto, before any cost is measured: the first fast copy comes early and is measured
 MIN_INTERVAL_S = 0.1  # auto never asks more often (one vote apart is the least the loop can act on anyway)
 COSTS_KEPT = 9  # the median of this many recent snapshots: one slow write does not move the interval
+COST_KEY = "fast_copy_s"  # an attempt's record (RunLog): the median cost its fast copies measured so far
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -71,16 +72,24 @@ class FastTierTimer(Observer):
         self._attempt_started = clock()
         self._last = self._attempt_started
         self._costs: deque[float] = deque(maxlen=COSTS_KEPT)
+        self._announced = False  # the attempt's first measured copy logs the interval
 
     @property
     def enabled(self) -> bool:
         return self.auto or self.every_s > 0
 
     def begin(self, attempts: list[dict[str, Any]]) -> None:
-        """At the end of RESTORE: the run's failures and training time before this attempt."""
+        """At the end of RESTORE: the run's failures and training time before this attempt, and the copy cost
+        the attempt before measured (``COST_KEY`` of its record), which this attempt's own costs soon outvote:
+        a restarted attempt's first copy comes one Young/Daly interval in, not ``FIRST_INTERVAL_S``."""
         self.failures, self._exposure_before_s = failures_and_exposure(attempts, 0.0)
         self._attempt_started = self._last = self.clock()
         self._costs.clear()  # measured again on this attempt's ranks and cores
+        self._announced = False
+        earlier = attempts[-2].get(COST_KEY) if len(attempts) > 1 else None
+        if self.auto and earlier:
+            self._costs.append(float(earlier))
+            self._announce("the attempt before measured")
 
     def exposure_s(self) -> float:
         return self._exposure_before_s + self.clock() - self._attempt_started
@@ -112,8 +121,13 @@ class FastTierTimer(Observer):
 
     def snapshotted(self, report: SnapshotReport) -> None:
         if report.tier == "local" and report.committed:
-            first = self.auto and not self._costs
+            first = self.auto and not self._announced
             self._costs.append(report.duration_s + report.write_s)
             if first:
-                log.info("fast-tier copies every %.2f s from now on (auto, Young/Daly: %.0f ms a copy, %d failure(s) "
-                         "in %.0f s of training)", self.interval_s(), self.cost_s() * 1e3, self.failures, self.exposure_s())
+                self._announce("measured")
+
+    def _announce(self, cost_from: str) -> None:
+        self._announced = True
+        log.info("fast-tier copies every %.2f s from now on (auto, Young/Daly: %.0f ms a copy, %d failure(s) in %.0f s "
+                 "of training; the cost %s)", self.interval_s(), self.cost_s() * 1e3, self.failures, self.exposure_s(),
+                 cost_from)

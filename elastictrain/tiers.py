@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .cadence import FastTierTimer
+from .cadence import COST_KEY, FastTierTimer
 from .config import Config
 from .dist import DistContext
 from .events import Observers, SnapshotReport
@@ -74,10 +74,10 @@ class SnapshotTiers:
         """ROLLBACK, on every rank: background writes finished, then the newest valid snapshot of either tier
         loaded into everything but ``keep`` (anomalies.py)."""
         for report in self.durable.flush():
-            self.events.snapshotted(report)
+            self._snapshotted(report)
         if self.local is not None and self.local.is_writer:
             for report in self.local.finish_writes():
-                self.events.snapshotted(report)
+                self._snapshotted(report)
         return self.durable.roll_back(self.local, keep)
 
     def begin(self, started_unix: float) -> None:
@@ -108,7 +108,7 @@ class SnapshotTiers:
         for snapshots in self.all:
             if snapshots.asynchronous and snapshots.is_writer:
                 for report in snapshots.poll():
-                    self.events.snapshotted(report)
+                    self._snapshotted(report)
 
     def take_durable(self, meta: dict[str, Any], wall_s: float) -> None:
         """SNAPSHOT: a durable snapshot of this step, and the fast copy of the same step (restarts read memory)."""
@@ -164,7 +164,7 @@ class SnapshotTiers:
     def flush(self, done: bool, step: int) -> None:
         """Before DONE or PREEMPTED: a snapshot written in the background ends, and all agree on it, first."""
         for report in self.durable.flush():
-            self.events.snapshotted(report)
+            self._snapshotted(report)
         # The node's memory is given back when the run is done, or stops with its step in the durable store.
         last = self.durable.last_committed
         if self.local is not None and (done or (last is not None and last[0] == step)):
@@ -177,4 +177,12 @@ class SnapshotTiers:
 
     def _report(self, report: SnapshotReport | None) -> None:
         if report is not None:  # None: not this node's writer, or written in the background
-            self.events.snapshotted(report)
+            self._snapshotted(report)
+
+    def _snapshotted(self, report: SnapshotReport) -> None:
+        """Tell the observers; the attempt's record keeps the fast copies' measured cost (a restart's timer starts
+        from it, cadence.py)."""
+        self.events.snapshotted(report)
+        cost = self.fast_timer.cost_s() if self.fast_timer is not None else None
+        if cost is not None:
+            self.state.run_log.current[COST_KEY] = round(cost, 6)

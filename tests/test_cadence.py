@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from elastictrain.cadence import FIRST_INTERVAL_S, FastTierTimer, failures_and_exposure, young_daly_interval_s
+from elastictrain.cadence import COST_KEY, FIRST_INTERVAL_S, FastTierTimer, failures_and_exposure, young_daly_interval_s
 from elastictrain.events import SnapshotReport
 from elastictrain.states import State
 
@@ -116,3 +116,22 @@ def test_auto_starts_from_the_prior_and_moves_toward_the_measured_failure_rate()
     # Three failures in 300 s of training: each moves M from the prior toward the measured 100 s.
     timer.begin([attempt(100.0), attempt(100.0), attempt(100.0), attempt(0.0)])
     assert timer.mtbf_s() == pytest.approx((300.0 + 3600.0) / 4)
+
+
+def test_auto_after_a_restart_starts_from_the_cost_the_attempt_before_measured_until_its_own_outvote_it():
+    """Without it every restarted attempt took an extra copy FIRST_INTERVAL_S in, only to measure the cost again."""
+    clock = Clock()
+    timer = FastTierTimer("auto", clock, prior_mtbf_s=3600.0)
+    timer.begin([attempt(100.0, survivor_copy=1, **{COST_KEY: 0.05}), attempt(0.0, **{COST_KEY: 9.0})])
+    assert timer.cost_s() == pytest.approx(0.05)  # the attempt before's, not the current record's own
+    assert timer.interval_s() == pytest.approx(math.sqrt(2 * 0.05 * 3700.0))  # about 19 s, not 1 s
+    for duration in (0.09, 0.09):  # this attempt's own copies: the median follows them
+        timer.snapshotted(SnapshotReport(5, True, duration_s=duration, tier="local"))
+    assert timer.cost_s() == pytest.approx(0.09)
+    # An earlier attempt that measured nothing (or an older snapshot's record without the key): the early first copy.
+    timer.begin([attempt(100.0), attempt(0.0)])
+    assert timer.cost_s() is None and timer.interval_s() == FIRST_INTERVAL_S
+    # A fixed interval is not moved by it.
+    fixed = FastTierTimer(2.0, clock)
+    fixed.begin([attempt(100.0, **{COST_KEY: 0.05}), attempt(0.0)])
+    assert fixed.cost_s() is None and fixed.interval_s() == 2.0

@@ -5,6 +5,7 @@ fast tier is refused before its first write when it does not fit, and cleaned at
 
 from __future__ import annotations
 
+import re
 from collections import namedtuple
 
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastictrain import ConfigError, Trainer, seed_everything
+from elastictrain.cadence import COST_KEY
 from elastictrain.storage import SnapshotStore
 from tests.helpers.tasks import build
 from tests.test_trainer import memory_url
@@ -69,6 +71,27 @@ def test_a_restart_restores_the_newest_tier_and_ends_bitwise_equal(tmp_path, cap
     assert "restored step 20 from the node-local tier of node 0 (rank 0)" in err, err[-3000:]
     assert summary.params_sha256 == reference.params_sha256
     assert not (tmp_path / "shm").exists(), "the fast tier is cleaned at DONE, the emptied snapshot.local.url too"
+
+
+@pytest.mark.slow
+def test_a_restarted_attempt_times_its_fast_copies_from_the_cost_the_attempt_before_measured(tmp_path, capfd):
+    """snapshot.local.every_s=auto: the copy cost rank 0 measured travels in the attempt's record (cadence.COST_KEY)."""
+    durable, auto = memory_url(), {"every_s": "auto"}
+    with pytest.raises(ValueError, match="a bug in the user"):
+        trainer(tmp_path, durable, raise_at=27, local=auto).fit()
+    first = capfd.readouterr().err
+    assert "the cost measured)" in first and "the cost the attempt before measured" not in first, first[-3000:]
+
+    resumed = trainer(tmp_path, durable, local=auto)
+    resumed.fit()
+    err = capfd.readouterr().err
+    assert "restored step 24 from the node-local tier" in err, err[-3000:]
+    recorded = resumed.session.state.run_log.attempts[0][COST_KEY]
+    assert recorded > 0
+    said = re.search(r"fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: (\d+) ms a copy, 1 failure\(s\) "
+                     r"in \d+ s of training; the cost (.*)\)", err)
+    assert said and said.group(2) == "the attempt before measured", err[-3000:]
+    assert int(said.group(1)) == round(recorded * 1e3)
 
 
 @pytest.mark.slow
