@@ -216,7 +216,8 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
                  f"task.args.pauses=[[0,{KILL_STEP}]]", f"track.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
                  f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", "snapshot.local.every_steps=5"]
-    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF, env=ENV)
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+                      env=ENV)
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)
     procs.wait_for_file(tmp_path / "trace" / f"paused-rank0-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[0])

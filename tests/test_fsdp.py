@@ -39,8 +39,8 @@ FSDP = [*JOB, "dist.strategy=fsdp", "train.max_epochs=2", "task.args.val_samples
 def launch(tmp_path, name: str, extra: list[str] = (), nproc: int = 2, run_dir=None) -> procs.Launched:
     (tmp_path / "trace").mkdir(exist_ok=True)
     overrides = [*FSDP, f"task.args.trace_dir={tmp_path / 'trace'}", f"run.dir={run_dir or tmp_path / 'run'}", *extra]
-    return procs.launch(torchrun_command(overrides, nproc=nproc, warmstart=True), log_path=tmp_path / f"{name}.log", env=job_env(),
-                        cwd=tmp_path)
+    return procs.launch(torchrun_command(overrides, nproc=nproc, warmstart=True), log_path=tmp_path / f"{name}.log",
+                        env=job_env(), cwd=tmp_path)
 
 
 def finished(job: procs.Launched):

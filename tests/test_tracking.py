@@ -52,8 +52,8 @@ def mlflow_server(tmp_path_factory):
 def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = None) -> procs.Launched:
     script = [str(PAUSED)] if pauses is not None else []
     # Warm restarts, with the trackers' libraries preloaded (each worker would import them again: ~3 s of CPU).
-    command = [*torchrun_launcher(max_restarts=4), *WARM, "--preload", "mlflow.tracking,torch.utils.tensorboard", *script,
-               str(REPO_ROOT / "examples" / "accumulation.py"),
+    command = [*torchrun_launcher(max_restarts=4), *WARM, "--preload", "mlflow.tracking,torch.utils.tensorboard",
+               *script, str(REPO_ROOT / "examples" / "accumulation.py"),
                f"run.dir={workdir / 'run'}", f"track.mlflow_uri={server.uri}", f"track.mlflow_experiment={workdir.name}",
                *COMMON]
     env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}

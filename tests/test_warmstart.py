@@ -125,11 +125,11 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
 
     cold = int(procs.wait_for_file(marker(1, 30), TIMEOUT_S, job))
     seen_servers = set(server_pids(job.proc.pid))
-    assert cold == procs.torchrun_worker(job.proc.pid, 1), "the first attempt runs cold: the worker is what torchrun started"
+    assert cold == procs.torchrun_worker(job.proc.pid, 1), "the first attempt runs cold: the worker is torchrun's"
     os.kill(cold, signal.SIGKILL)
 
     warm_child = int(procs.wait_for_file(marker(0, 40), TIMEOUT_S, job))
-    assert warm_child != procs.torchrun_worker(job.proc.pid, 0), "a restarted worker is a child of the preloaded interpreter"
+    assert warm_child != procs.torchrun_worker(job.proc.pid, 0), "a restarted worker: a child of the preloaded one"
     os.kill(warm_child, signal.SIGKILL)  # its client must end as it did: torchrun sees -9
 
     paused = int(procs.wait_for_file(marker(1, 50), TIMEOUT_S, job))
