@@ -167,11 +167,7 @@ def current_workers(agent_pid: int) -> dict[int, tuple[int, int]]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or procs.parent_pid(int(name)) != agent_pid or not procs.pid_alive(int(name)):
             continue
-        try:
-            environ = pathlib.Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        variables = dict(item.decode(errors="replace").split("=", 1) for item in environ if b"=" in item)
+        variables = dict(item.decode(errors="replace").split("=", 1) for item in procs.environ(int(name)) if b"=" in item)
         if "RANK" in variables and "TORCHELASTIC_RESTART_COUNT" in variables:
             rank, restart = int(variables["RANK"]), int(variables["TORCHELASTIC_RESTART_COUNT"])
             if rank not in found or restart > found[rank][1]:

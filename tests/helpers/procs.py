@@ -98,7 +98,8 @@ def parent_pid(pid: int) -> int | None:
     return None if stat is None else stat.ppid
 
 
-def _environ(pid: int) -> list[bytes]:
+def environ(pid: int) -> list[bytes]:
+    """The ``NAME=value`` entries pid was started with (/proc/<pid>/environ: the environment at exec); [] if gone."""
     try:
         return pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -114,7 +115,7 @@ def torchrun_worker(root_pid: int, rank: int) -> int:
     """
     entry = f"RANK={rank}".encode()
     for pid in descendants(root_pid):
-        if entry in _environ(pid) and not any(e.startswith(b"RANK=") for e in _environ(parent_pid(pid) or 0)):
+        if entry in environ(pid) and not any(e.startswith(b"RANK=") for e in environ(parent_pid(pid) or 0)):
             return pid
     raise AssertionError(f"no worker of rank {rank} under pid {root_pid}")
 

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import procs
+
 APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 DAEMON_BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo"]
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -270,18 +272,8 @@ class SlurmCluster:
     def cluster_pids(self) -> list[int]:
         """Live processes carrying this cluster's SLURM_CONF in their environment (daemons, steps, tasks)."""
         marker = f"SLURM_CONF={self.conf_path}".encode()
-        found = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == os.getpid():
-                continue
-            try:
-                environ = Path(f"/proc/{name}/environ").read_bytes()
-                state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            if marker in environ.split(b"\0") and state not in ("Z", "X"):
-                found.append(int(name))
-        return sorted(found)
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]
+        return sorted(pid for pid in pids if marker in procs.environ(pid) and procs.pid_alive(pid))
 
     def stop(self) -> list[int]:
         """Cancel all jobs, stop the daemons by pid, reap them, kill any job process left; return pids that survived."""
