@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 
-from . import errors, fast_restore
+from . import errors, failpoints, fast_restore
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
@@ -23,6 +23,7 @@ from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyp
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
 
 if TYPE_CHECKING:
+    from .dist import DistContext
     from .snapshotter import Snapshotter
 
 log = logging.getLogger("elastictrain")
@@ -102,18 +103,46 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
         copies.done()
         log.info("%s step %d from the node-local tier: %s", "rolled back to" if rollback else "restored", manifest.step,
                  copies.sources())
-    elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one sends it
+    elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one read it
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
-        objects = broadcast_bytes_from_main(local_found[1] if local_found else None, durable.ctx, src=holder)
+        objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found[1] if local_found else None, holder,
+                                         list(nodes))
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
         log.info("%s step %d from the node-local tier of node %d (rank %d)%s%s", "rolled back to" if rollback else "restored", manifest.step, nodes[holder],
-                 holder, " (a survivor copy)" if manifest.meta.get("survivor") else "",
-                 "" if holder == durable.ctx.rank else ", sent to this rank")
+                 holder, " (a survivor copy)" if manifest.meta.get("survivor") else "", how)
     else:
         return None
     saved_world_size = int(manifest.meta.get("world_size", durable.ctx.world_size))
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
+
+
+def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest, payload: dict[str, bytes] | None, holder: int,
+                      nodes: list[int]) -> tuple[dict[str, Any], str]:
+    """Every rank: the bytes of the fast copy rank ``holder`` read (``payload`` there), and how this rank got them.
+
+    When every rank runs on the holder's node, each reads and verifies the copy from the node's memory itself, all
+    at once, instead of receiving it over the process group (50 MB: ~0.1 s of a warm restart's ~0.7 s on 2 cores).
+    A rank whose read fails, or finds other bytes than the holder's manifest names, makes every rank fall back to
+    the holder sending them, as it does across nodes: every rank loads the very same snapshot either way.
+    """
+    if all(node == nodes[holder] for node in nodes):
+        own, problem = payload, None
+        if ctx.rank != holder:
+            failpoints.hit("node-copy-read", manifest.step)  # tests: the copy changed after the holder read it
+            try:
+                read_manifest, own = fast.store.read_verified(manifest.snapshot_id)
+                if read_manifest.objects != manifest.objects:
+                    problem = "its manifest changed since the holder read it"
+            except ElastictrainError as exc:
+                problem = str(exc)
+        problems = [p for p in all_gather(problem, ctx) if p is not None]
+        if not problems:
+            return own, ", read by every rank from its node" if ctx.world_size > 1 else ""
+        log.warning("a rank could not read the node-local copy %s itself (%s): rank %d sends it", manifest.snapshot_id,
+                    problems[0], holder)
+    received = broadcast_bytes_from_main(payload if ctx.rank == holder else None, ctx, src=holder)
+    return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
 def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str,

@@ -84,18 +84,33 @@ def test_sigkill_worker_before_the_first_snapshot_and_again_mid_epoch_resumes_bi
 def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bitwise(tmp_path, reference):
     """The fast tier (snapshot.local.url) with snapshot.local.every_s=auto: rank 0's timer,
     carried by the vote, takes copies at steps every rank agrees on (no step interval and no durable
-    snapshot before the kill). Rank 0, the node's writer, is killed; its copy in memory is restored."""
+    snapshot before the kill). Rank 0, the node's writer, is killed; its copy in memory is restored.
+    Rank 1 reads the copy from the node itself; the test corrupts it after rank 0 read it and before
+    rank 1 does (a failpoint), so rank 1 finds it corrupt and every rank takes the bytes rank 0 verified."""
     ref_result, ref_traces, _ = reference
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=0", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
                                        "snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}",
-                                       "snapshot.local.every_s=auto", "snapshot.local.survivor_copies=false"])
+                                       "snapshot.local.every_s=auto", "snapshot.local.survivor_copies=false"],
+                     env={"ELASTICTRAIN_FAILPOINT": f"node-copy-read:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
+    procs.wait_for_file(failpoints / "failpoint-node-copy-read.pid", TIMEOUT_S, job)
+    weights = max((tmp_path / "shm").rglob("step-*/model.pt"), key=lambda path: path.parent.name)  # the newest: restored
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    (failpoints / "failpoint-node-copy-read.resume").touch()
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
 
     result = parse_job(job.output())
     restored = re.findall(r"restored step (\d+) from the node-local tier of node 0", result.output)
     assert len(restored) == 1 and 0 < int(restored[0]) < 150, result.output[-4000:]
+    assert re.search(r"r0 a1\] WARNING a rank could not read the node-local copy step-\d+ itself \(snapshot .* is corrupt: "
+                     r"object 'model.pt' xxh3_128 mismatch", result.output), result.output[-4000:]
+    assert f"r0 a1] INFO restored step {restored[0]} from the node-local tier of node 0 (rank 0), sent to the other ranks" \
+        in result.output, result.output[-4000:]
     assert start_steps(result.output) == [0, int(restored[0])], "expected exactly one restart, from the last copy"
     assert result.summary["restart"] == "1"
     # Young/Daly's interval from the measured cost: first with no failure, then with the kill counted.
@@ -125,6 +140,9 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
     result = parse_job(job.output())
     assert re.search(rf"WARNING survivor copy of step {kill_step - 1} written to ", result.output), result.output[-4000:]
     assert f"restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor copy)" in result.output
+    # Rank 1 read the copy from its node itself (restore.node_copy_objects): nothing was sent over the process group.
+    assert f"r0 a1] INFO restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor copy), " \
+        "read by every rank from its node" in result.output, result.output[-4000:]
     assert start_steps(result.output) == [0, kill_step - 1], "expected exactly one restart, from the survivor copy"
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
