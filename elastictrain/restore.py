@@ -2,7 +2,8 @@
 
 With a fast tier, every node offers the newest copy it holds and verifies; the durable store is
 read only when it holds a newer one. The bytes travel from the rank that read them to every
-other rank, so every rank loads the very same snapshot. With ``dist.strategy=fsdp`` the nodes
+other rank, so every rank loads the very same snapshot; where every rank runs on the node of the
+copy restored, each has read it there itself (``node_copy_objects``). With ``dist.strategy=fsdp`` the nodes
 offer the shard files they hold, and a copy they hold together is restored (``fast_restore.py``).
 """
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 
-from . import errors, failpoints, fast_restore
+from . import errors, fast_restore
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
@@ -106,8 +107,7 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one read it
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
-        objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found[1] if local_found else None, holder,
-                                         list(nodes))
+        objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
         log.info("%s step %d from the node-local tier of node %d (rank %d)%s%s", "rolled back to" if rollback else "restored", manifest.step, nodes[holder],
                  holder, " (a survivor copy)" if manifest.meta.get("survivor") else "", how)
@@ -117,19 +117,23 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
 
-def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest, payload: dict[str, bytes] | None, holder: int,
+def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
+                      found: tuple[Manifest, dict[str, bytes]] | None, holder: int,
                       nodes: list[int]) -> tuple[dict[str, Any], str]:
-    """Every rank: the bytes of the fast copy rank ``holder`` read (``payload`` there), and how this rank got them.
+    """Every rank: the bytes of the fast copy rank ``holder`` read, and how this rank got them. ``found``: what
+    ``newest_local`` read on this rank.
 
-    When every rank runs on the holder's node, each reads and verifies the copy from the node's memory itself, all
-    at once, instead of receiving it over the process group (50 MB: ~0.1 s of a warm restart's ~0.7 s on 2 cores).
-    A rank whose read fails, or finds other bytes than the holder's manifest names, makes every rank fall back to
-    the holder sending them, as it does across nodes: every rank loads the very same snapshot either way.
+    When every rank runs on the holder's node, each has read and verified the node's newest copy itself, all at once,
+    and nothing is sent over the process group (benchmarks/goodput.py's 50 MB on 2 cores: a warm restart's restore
+    fell from 0.18-0.21 s to 0.11-0.16 s). A rank that found another copy reads the holder's; one whose read fails, or finds other bytes than the
+    holder's manifest names, makes every rank fall back to the holder sending them, as across nodes. Every rank
+    loads the very same snapshot either way.
     """
     if all(node == nodes[holder] for node in nodes):
-        own, problem = payload, None
-        if ctx.rank != holder:
-            failpoints.hit("node-copy-read", manifest.step)  # tests: the copy changed after the holder read it
+        own, problem = None, None
+        if found is not None and (found[0].snapshot_id, found[0].objects) == (manifest.snapshot_id, manifest.objects):
+            own = found[1]
+        else:
             try:
                 read_manifest, own = fast.store.read_verified(manifest.snapshot_id)
                 if read_manifest.objects != manifest.objects:
@@ -141,7 +145,7 @@ def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest, p
             return own, ", read by every rank from its node" if ctx.world_size > 1 else ""
         log.warning("a rank could not read the node-local copy %s itself (%s): rank %d sends it", manifest.snapshot_id,
                     problems[0], holder)
-    received = broadcast_bytes_from_main(payload if ctx.rank == holder else None, ctx, src=holder)
+    received = broadcast_bytes_from_main(found[1] if ctx.rank == holder else None, ctx, src=holder)
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 

@@ -157,9 +157,11 @@ class Snapshotter:
         return None
 
     def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
-        """This node's newest fast copy that verifies (on each node's writer; None elsewhere)."""
+        """This node's newest fast copy that verifies, read by every rank of the node at once (``restore.py``: a rank on
+        the node of the copy restored needs nothing sent); None when there is none."""
         if not self.is_writer:
-            return None
+            # tests: the copy changes after the node's writer read it (no step yet: the attempt's restart count instead)
+            failpoints.hit("node-copy-read", self.ctx.env.restart_count)
         try:
             return self.store.latest_valid()
         except ElastictrainError as exc:  # nothing usable here; another node or the durable store may have one

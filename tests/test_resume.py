@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,19 +86,21 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     """The fast tier (snapshot.local.url) with snapshot.local.every_s=auto: rank 0's timer,
     carried by the vote, takes copies at steps every rank agrees on (no step interval and no durable
     snapshot before the kill). Rank 0, the node's writer, is killed; its copy in memory is restored.
-    Rank 1 reads the copy from the node itself; the test corrupts it after rank 0 read it and before
-    rank 1 does (a failpoint), so rank 1 finds it corrupt and every rank takes the bytes rank 0 verified."""
+    Every rank reads the node's copy itself; the test corrupts it after rank 0 read it and before rank 1
+    does (a failpoint), so rank 1 finds it corrupt and every rank takes the bytes rank 0 verified."""
     ref_result, ref_traces, _ = reference
     failpoints = tmp_path / "failpoints"
     failpoints.mkdir()
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=0", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
                                        "snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}",
                                        "snapshot.local.every_s=auto", "snapshot.local.survivor_copies=false"],
-                     env={"ELASTICTRAIN_FAILPOINT": f"node-copy-read:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
+                     env={"ELASTICTRAIN_FAILPOINT": f"node-copy-read@1:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
-    procs.wait_for_file(failpoints / "failpoint-node-copy-read.pid", TIMEOUT_S, job)
-    weights = max((tmp_path / "shm").rglob("step-*/model.pt"), key=lambda path: path.parent.name)  # the newest: restored
+    procs.wait_for_file(failpoints / "failpoint-node-copy-read.pid", TIMEOUT_S, job)  # rank 1 of the restart, paused
+    read = re.search(r"r0 a1\] INFO read snapshot (\S+): \d+ bytes",
+                     job.wait_for(lambda out: "r0 a1] INFO read snapshot " in out, TIMEOUT_S, "rank 0's read"))
+    weights = Path(read.group(1)) / "model.pt"  # the copy rank 0 read and verified: corrupted under rank 1
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
