@@ -55,16 +55,17 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     local_steps, local_found, shard_offers, shard_copy = [-1], None, {}, None
     if fast is not None:
         refused = None if rollback else fast.join_run(run_id)
-        if refused is None and not resume:
-            fast.clear()
-        elif refused is None and fast.sharded is not None:  # fsdp: each node offers the files it holds (fast_restore.py)
-            shard_offers = fast_restore.offer(fast)
-        elif refused is None:
-            local_found = fast.newest_local()
-        offer = (local_found[0].step if local_found else -1, durable.ctx.env.node_rank, refused, shard_offers)
-        local_steps, nodes, refusals, shard_offers = zip(*all_gather(offer, durable.ctx))
+        nodes, refusals = zip(*all_gather((durable.ctx.env.node_rank, refused), durable.ctx))
         for refusal in filter(None, refusals):  # every rank stops with the first node's line
             raise ConfigError(refusal)
+        if not resume:
+            fast.clear()
+        elif fast.sharded is not None:  # fsdp: each node offers the files it holds (fast_restore.py)
+            shard_offers = fast_restore.offer(fast)
+        elif fast.is_writer or len(set(nodes)) == 1:  # on one node every rank reads its copy at once: none is sent
+            local_found = fast.newest_local()
+        local_steps, shard_offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers),
+                                                    durable.ctx))
         shard_copy = fast_restore.choose(shard_offers) if fast.sharded is not None else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
     found, error = None, None
@@ -125,9 +126,10 @@ def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
 
     When every rank runs on the holder's node, each has read and verified the node's newest copy itself, all at once,
     and nothing is sent over the process group (benchmarks/goodput.py's 50 MB on 2 cores: a warm restart's restore
-    fell from 0.18-0.21 s to 0.11-0.16 s). A rank that found another copy reads the holder's; one whose read fails, or finds other bytes than the
-    holder's manifest names, makes every rank fall back to the holder sending them, as across nodes. Every rank
-    loads the very same snapshot either way.
+    fell from 0.18-0.21 s to 0.11-0.16 s). A rank that found another copy reads the holder's; one whose read fails,
+    or finds other bytes than the holder's manifest names, makes every rank fall back to the holder sending them, as
+    across nodes (where only each node's writer reads: no rank holds two copies at once). Every rank loads the very
+    same snapshot either way.
     """
     if all(node == nodes[holder] for node in nodes):
         own, problem = None, None
