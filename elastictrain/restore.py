@@ -125,11 +125,11 @@ def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
     ``newest_local`` read on this rank.
 
     When every rank runs on the holder's node, each has read and verified the node's newest copy itself, all at once,
-    and nothing is sent over the process group (benchmarks/goodput.py's 50 MB on 2 cores: a warm restart's restore
-    fell from 0.18-0.21 s to 0.11-0.16 s). A rank that found another copy reads the holder's; one whose read fails,
-    or finds other bytes than the holder's manifest names, makes every rank fall back to the holder sending them, as
-    across nodes (where only each node's writer reads: no rank holds two copies at once). Every rank loads the very
-    same snapshot either way.
+    and nothing is sent over the process group (benchmarks/goodput.py's 50 MB on 2 cores: a warm restart's restore,
+    median by run, fell from 0.15-0.19 s to 0.12-0.13 s). A rank that found another copy reads the holder's; one
+    whose read fails, or finds other bytes than the holder's manifest names, makes every rank fall back to the holder
+    sending them, as across nodes (where only each node's writer reads: no rank holds two copies at once). Every
+    rank loads the very same snapshot either way.
     """
     if all(node == nodes[holder] for node in nodes):
         own, problem = None, None

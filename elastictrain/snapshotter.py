@@ -157,8 +157,8 @@ class Snapshotter:
         return None
 
     def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
-        """This node's newest fast copy that verifies, or None. Read on each node's writer, and on every rank when the job
-        runs on one node (``restore.py``: then nothing is sent)."""
+        """This node's newest fast copy that verifies, or None. Read on each node's writer, and on every rank when the
+        job runs on one node (``restore.py``: then nothing is sent)."""
         if not self.is_writer:
             # tests: the copy changes after the node's writer read it (no step yet: the attempt's restart count instead)
             failpoints.hit("node-copy-read", self.ctx.env.restart_count)

@@ -22,7 +22,8 @@ def node(tmp_path, monkeypatch):
     """One node's store holding copies of steps 10 and 20, seen from rank 1 with rank 0 the holder."""
     store = SnapshotStore(str(tmp_path / "shm"))
     for step in (10, 20):
-        store.commit(step, {"model": lambda handle, step=step: handle.write(f"weights of step {step}".encode())}, meta={})
+        weights = f"weights of step {step}".encode()
+        store.commit(step, {"model": lambda handle, weights=weights: handle.write(weights)}, meta={})
     sent = []
     monkeypatch.setattr(restore, "all_gather", lambda obj, ctx: [None, obj])
     monkeypatch.setattr(restore, "broadcast_bytes_from_main", lambda payload, ctx, src: sent.append(src) or SENT)

@@ -94,7 +94,8 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=0", "task.args.pause_at_step=150", "task.args.step_sleep_s=0.01",
                                        "snapshot.durable.every_steps=0", f"snapshot.local.url={tmp_path / 'shm'}",
                                        "snapshot.local.every_s=auto", "snapshot.local.survivor_copies=false"],
-                     env={"ELASTICTRAIN_FAILPOINT": f"node-copy-read@1:{failpoints}", "ELASTICTRAIN_FAILPOINT_RANK": "1"})
+                     env={"ELASTICTRAIN_FAILPOINT": f"node-copy-read@1:{failpoints}",
+                          "ELASTICTRAIN_FAILPOINT_RANK": "1"})
     pid = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank0.pid", TIMEOUT_S, job))
     os.kill(pid, signal.SIGKILL)
     procs.wait_for_file(failpoints / "failpoint-node-copy-read.pid", TIMEOUT_S, job)  # rank 1 of the restart, paused
@@ -110,10 +111,10 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     result = parse_job(job.output())
     restored = re.findall(r"restored step (\d+) from the node-local tier of node 0", result.output)
     assert len(restored) == 1 and 0 < int(restored[0]) < 150, result.output[-4000:]
-    assert re.search(r"r0 a1\] WARNING a rank could not read the node-local copy step-\d+ itself \(snapshot .* is corrupt: "
-                     r"object 'model.pt' xxh3_128 mismatch", result.output), result.output[-4000:]
-    assert f"r0 a1] INFO restored step {restored[0]} from the node-local tier of node 0 (rank 0), sent to the other ranks" \
-        in result.output, result.output[-4000:]
+    assert re.search(r"r0 a1\] WARNING a rank could not read the node-local copy step-\d+ itself \(snapshot .* is "
+                     r"corrupt: object 'model.pt' xxh3_128 mismatch", result.output), result.output[-4000:]
+    assert f"r0 a1] INFO restored step {restored[0]} from the node-local tier of node 0 (rank 0), sent to the other " \
+        "ranks" in result.output, result.output[-4000:]
     assert start_steps(result.output) == [0, int(restored[0])], "expected exactly one restart, from the last copy"
     assert result.summary["restart"] == "1"
     # Young/Daly's interval from the measured cost: first with no failure, then with the kill counted.
@@ -144,8 +145,8 @@ def test_a_worker_killed_inside_a_step_is_restored_from_a_survivor_copy_of_the_s
     assert re.search(rf"WARNING survivor copy of step {kill_step - 1} written to ", result.output), result.output[-4000:]
     assert f"restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor copy)" in result.output
     # Rank 1 read the copy from its node itself (restore.node_copy_objects): nothing was sent over the process group.
-    assert f"r0 a1] INFO restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor copy), " \
-        "read by every rank from its node" in result.output, result.output[-4000:]
+    assert f"r0 a1] INFO restored step {kill_step - 1} from the node-local tier of node 0 (rank 0) (a survivor " \
+        "copy), read by every rank from its node" in result.output, result.output[-4000:]
     assert start_steps(result.output) == [0, kill_step - 1], "expected exactly one restart, from the survivor copy"
     assert result.summary["restart"] == "1"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
