@@ -92,6 +92,7 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     if error is not None:
         raise getattr(errors, error[0], ElastictrainError)(error[1])
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
+        local_found = None  # an older fast copy read here: not held while the durable one arrives
         # A sharded snapshot's shards stay where they are: every rank reads its own part of them (sharded.py).
         sent = {name: data for name, data in found[1].items() if not manifest.meta.get("sharded") or name == STATE_OBJECT} \
             if found else None
