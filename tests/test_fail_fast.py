@@ -21,7 +21,7 @@ from tests.helpers import procs
 TIMEOUT_S = 240  # generous: the machine is shared; before the fix one attempt alone took 30 s + start-up
 
 RANK0_DIES_FIRST = textwrap.dedent('''
-    import os, sys
+    import os, sys, time
     from elastictrain import Trainer, seed_everything
     from tests.helpers.tasks import build
 
@@ -29,6 +29,20 @@ RANK0_DIES_FIRST = textwrap.dedent('''
     os.makedirs(sys.argv[1], exist_ok=True)
     task = build(sys.argv[1], train_samples=256, hidden=16)
     if os.environ["RANK"] == "0":
+        # Die only once rank 1 waits in set-up: its request of this attempt in the round handshake (rounds.py), a
+        # token other than the one the attempt before saw (kept in a file), is in the agent's store.
+        import torch.distributed as dist
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        store = dist.PrefixStore(f"elastictrain/{os.environ['TORCHELASTIC_RUN_ID']}/", agent_store)
+        seen = os.path.join(sys.argv[1], "rank1-token")
+        before = open(seen).read() if os.path.exists(seen) else None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            token = store.get("round/req/1").decode() if store.check(["round/req/1"]) else None
+            if token is not None and token != before:
+                open(seen, "w").write(token)
+                break
+            time.sleep(0.01)
         raise RuntimeError("rank 0's own set-up failed before fit()")
     Trainer.from_task(task, config={"run": {"dir": sys.argv[1]}, "log": {"plots": False}}).fit()
 ''')
