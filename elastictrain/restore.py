@@ -132,7 +132,7 @@ def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
     sending them, as across nodes (where only each node's writer reads: no rank holds two copies at once). Every
     rank loads the very same snapshot either way.
     """
-    if all(node == nodes[holder] for node in nodes):
+    if len(set(nodes)) == 1:  # the holder's node: as restore_newest chose who reads
         own, problem = None, None
         if found is not None and (found[0].snapshot_id, found[0].objects) == (manifest.snapshot_id, manifest.objects):
             own = found[1]

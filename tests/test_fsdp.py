@@ -30,6 +30,7 @@ from elastictrain.tasks import spirals
 
 from tests.conftest import WARM, job_env, parse_job, torchrun_command
 from tests.helpers import procs
+from tests.helpers.corrupt import flip_middle_byte
 from tests.helpers.agents import NodeGroup
 from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps
 
@@ -162,10 +163,8 @@ def manifest_on(s3_server, bucket: str, step: int) -> dict:
 def test_fsdp_corrupt_shard_skips_that_snapshot_and_resumes_bitwise_from_the_one_before(tmp_path, reference):
     ref_dir, ref = reference
     shutil.copytree(ref_dir / "run" / "snapshots", tmp_path / "run" / "snapshots")
-    shard = tmp_path / "run" / "snapshots" / f"step-{96:012d}" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte in rank 1's shard of the newest snapshot
-    shard.write_bytes(bytes(data))
+    # one flipped byte in rank 1's shard of the newest snapshot
+    flip_middle_byte(tmp_path / "run" / "snapshots" / f"step-{96:012d}" / "__1_0.distcp")
 
     result = finished(launch(tmp_path, "resumed", ["snapshot.accept_changes=[task.args.trace_dir]"]))
     assert re.search(r"WARNING skipping snapshot \S+step-000000000096: .*object '__1_0.distcp' xxh3_128 mismatch",
@@ -246,9 +245,7 @@ def test_fsdp_corrupt_shard_in_a_fast_copy_skips_that_copy_and_restores_the_one_
                                       "task.args.pause_at_step=60"])
     paused = int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
     (shard,) = (tmp_path / "shm" / "default").glob(f"*/step-{55:012d}/__0_0.distcp")
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_middle_byte(shard)
     os.kill(paused, signal.SIGKILL)
     result = finished(job)
     assert re.search(r"WARNING skipping __0_0.distcp of the node-local copy \S+step-000000000055: xxh3_128 mismatch",

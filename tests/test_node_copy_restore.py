@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastictrain import restore
+from elastictrain.manifest import snapshot_id_for_step
 from elastictrain.storage import SnapshotStore
 
 SENT = {"model": b"sent by the holder"}
@@ -32,7 +33,7 @@ def node(tmp_path, monkeypatch):
 
 
 def holders_copy(node, step=20):
-    return node.store.read_verified(f"step-{step:012d}")
+    return node.store.read_verified(snapshot_id_for_step(step))
 
 
 def test_a_rank_that_read_the_holders_copy_itself_keeps_its_own_bytes(node):

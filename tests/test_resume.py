@@ -24,6 +24,7 @@ from elastictrain.tasks import spirals
 
 from tests.conftest import parse_job
 from tests.helpers import procs
+from tests.helpers.corrupt import flip_middle_byte
 from tests.helpers.jobs import ONE_THREAD, TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
 
@@ -101,10 +102,7 @@ def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bi
     procs.wait_for_file(failpoints / "failpoint-node-copy-read.pid", TIMEOUT_S, job)  # rank 1 of the restart, paused
     read = re.search(r"r0 a1\] INFO read snapshot (\S+): \d+ bytes",
                      job.wait_for(lambda out: "r0 a1] INFO read snapshot " in out, TIMEOUT_S, "rank 0's read"))
-    weights = Path(read.group(1)) / "model.pt"  # the copy rank 0 read and verified: corrupted under rank 1
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    flip_middle_byte(Path(read.group(1)) / "model.pt")  # the copy rank 0 read and verified: corrupted under rank 1
     (failpoints / "failpoint-node-copy-read.resume").touch()
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
 

@@ -22,6 +22,7 @@ from elastictrain.snapshot import MODEL_OBJECT, STATE_OBJECT, load_object, write
 from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 from tests.conftest import REPO_ROOT
+from tests.helpers.corrupt import flip_middle_byte
 
 TASK = {"train_samples": 512, "val_samples": 128, "hidden": 32}
 SNAPSHOT_STEPS = [40, 60, 80, 96]  # every 20 steps, the final one at 96 (3 epochs of 32), keep 4
@@ -54,12 +55,6 @@ def elastictrain(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProce
     return subprocess.run(
         [sys.executable, "-m", "elastictrain", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120,
     )
-
-
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
@@ -136,7 +131,7 @@ def test_verify_exits_0_then_1_naming_a_corrupt_newest_snapshot(store_dir):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("checksums match") == len(SNAPSHOT_STEPS)
 
-    flip_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
+    flip_middle_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
     done = elastictrain("snapshots", "verify", store_dir)
     assert done.returncode == 1
     assert_fits_80_columns(done.stdout)
@@ -149,7 +144,7 @@ def test_verify_exits_0_then_1_naming_a_corrupt_newest_snapshot(store_dir):
 
 @pytest.mark.slow
 def test_verify_exits_0_when_only_an_older_snapshot_is_corrupt(store_dir):
-    flip_byte(snapshot_dir(store_dir, 60) / STATE_OBJECT)
+    flip_middle_byte(snapshot_dir(store_dir, 60) / STATE_OBJECT)
     done = elastictrain("snapshots", "verify", store_dir, "--json")
     assert done.returncode == 0, done.stderr
     document = json.loads(done.stdout)
@@ -211,7 +206,7 @@ def test_show_counts_attempts_and_restarts_a_snapshot_records(store_dir):
 
 @pytest.mark.slow
 def test_export_writes_the_newest_valid_weights_that_torch_load_reads(store_dir, tmp_path):
-    flip_byte(snapshot_dir(store_dir, 96) / STATE_OBJECT)  # the newest does not verify: step 80 is exported
+    flip_middle_byte(snapshot_dir(store_dir, 96) / STATE_OBJECT)  # the newest does not verify: step 80 is exported
     out = tmp_path / "weights.pt"
     done = elastictrain("snapshots", "export", store_dir, "--out", out)
     assert done.returncode == 0, done.stderr
@@ -238,8 +233,8 @@ def test_prune_leaves_exactly_the_newest_n(store_dir):
 
 @pytest.mark.slow
 def test_prune_never_deletes_the_newest_valid_snapshot(store_dir):
-    flip_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
-    flip_byte(snapshot_dir(store_dir, 80) / MODEL_OBJECT)
+    flip_middle_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
+    flip_middle_byte(snapshot_dir(store_dir, 80) / MODEL_OBJECT)
     done = elastictrain("snapshots", "prune", store_dir, "--keep", "1", "--json")
     assert done.returncode == 0, done.stderr
     document = json.loads(done.stdout)
@@ -274,7 +269,7 @@ def test_plot_draws_the_newest_valid_snapshots_history(trained, tmp_path):
          "unknown-protocol", "keep-0"],
 )
 def test_user_mistakes_are_one_line_and_no_traceback(store_dir, tmp_path, args, expected):
-    flip_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
+    flip_middle_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)
     (tmp_path / "empty").mkdir()
     names = {"store": store_dir, "missing": tmp_path / "missing", "empty": tmp_path / "empty", "tmp": tmp_path}
     done = elastictrain(*(arg.format(**names) for arg in args))

@@ -15,6 +15,7 @@ import pytest
 from elastictrain import ConfigError, Trainer, seed_everything
 from elastictrain.cadence import COST_KEY
 from elastictrain.storage import SnapshotStore
+from tests.helpers.corrupt import flip_middle_byte
 from tests.helpers.tasks import build
 from tests.test_trainer import memory_url
 
@@ -43,10 +44,7 @@ def local_steps(tmp_path, run_name: str = "default") -> list[int]:
 
 
 def corrupt(tmp_path, step: int) -> None:
-    path = fast_dir(tmp_path) / f"step-{step:012d}" / "model.pt"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_middle_byte(fast_dir(tmp_path) / f"step-{step:012d}" / "model.pt")
 
 
 @pytest.mark.slow
