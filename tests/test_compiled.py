@@ -96,7 +96,8 @@ def test_a_compiled_model_resumes_bitwise_and_a_plain_model_resumes_from_its_sna
     resumed = run(url, device, backend)
     assert resumed.global_step == unbroken.global_step == 64
     assert resumed.params_sha256 == unbroken.params_sha256
-    # The same snapshot of step 20 into the model uncompiled: it loads and trains to the end.
-    SnapshotStore(url).fs.rm(f"{SnapshotStore(url).root}/step-{64:012d}", recursive=True)
+    # The compiled run's snapshot of step 60 (the final one removed) into the model uncompiled: it loads, trains on.
+    store = SnapshotStore(url)
+    store.fs.rm(f"{store.root}/step-{64:012d}", recursive=True)
     plain = run(url, device, None)
     assert plain.global_step == 64 and plain.attempts == 3
