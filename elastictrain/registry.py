@@ -1,9 +1,9 @@
 """Everything the user registered as state, by name: what every snapshot holds besides the run's own.
 
-Models (unwrapped from DDP and torch.compile) are the snapshot's weights: one registered model is the model, several
-are saved as one ``nn.ModuleDict`` of them. Optimizers get a step hook, so that a survivor copy can
-tell a step half done (session.py). A scheduler factory (``PendingScheduler``) is built once the
-run's length is known.
+Models (unwrapped from DDP and torch.compile) are the snapshot's weights: one registered model is
+the model, several are saved as one ``nn.ModuleDict`` of them. Optimizers get a step hook, so that a
+survivor copy can tell a step half done (session.py). A scheduler factory (``PendingScheduler``) is
+built once the run's length is known.
 """
 
 from __future__ import annotations
