@@ -11,7 +11,8 @@ moments: 12 bytes a parameter in fp32, ~12 GB at the default 1e9) on ``--device`
   zero-overhead checkpointing torchtitan uses); on the CPU the stager's CUDA options are off (they need CUDA).
 
 Each snapshot is taken after step ``--every``, ``2 x --every``, ...; every step is timed from one forward to the
-next (on CUDA the timer synchronises the device first, so a step's time is the device's). For each mode it
+next (on CUDA the timer waits for the training stream first, so a step's time is the device's). ``dist.deterministic``
+(on by default) holds for every mode: the first Trainer sets it for the process. For each mode it
 reports the training time blocked per snapshot (elastictrain's SnapshotReport.duration_s; for DCP the time
 async_save takes to return plus the wait for its staging before the next optimizer step and for its previous
 upload before the next save), and the slowdown of the steps around each snapshot against the median of the
@@ -80,14 +81,18 @@ def loss_of(module: nn.Module, batch) -> torch.Tensor:
 
 
 class StepClock:
-    """Time stamps at the start of every forward; on CUDA after the device has finished what came before."""
+    """Time stamps at the start of every forward; on CUDA once the training stream has finished what came before.
+
+    Only the current stream is waited for, not the device: a stager's copies on a side stream (DCP's) go on
+    behind the stamp, as they would in training.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.stamps = device, []
 
     def tick(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         self.stamps.append(time.perf_counter())
 
     def step_times(self) -> list[float]:
