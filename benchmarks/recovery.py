@@ -97,11 +97,16 @@ ELASTIC_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r(\d+)
 TEXTBOOK_LINE = re.compile(r"^(?:textbook|timed-task) rank (\d+) restart (\d+) t=([\d.]+) (.*)$")
 
 
+# --override: key=value for every elastictrain job (on a GPU: dist.device=cuda:0 dist.backend=gloo, both ranks on it).
+OVERRIDES: list[str] = []
+
+
 def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
         fast = [f"snapshot.local.url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
         warm = ["-m", "elastictrain.warmstart"] if job.get("warm") else []
-        return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast]
+        return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast,
+                *OVERRIDES]
     return [*TORCHRUN, str(TEXTBOOK), "--checkpoint", str(workdir / "checkpoint.pt"), *job["textbook"]]
 
 
@@ -301,7 +306,10 @@ def main() -> None:
     parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
     parser.add_argument("--import-repeats", type=int, default=6)
     parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "recovery.json")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an elastictrain override for every elastictrain job, repeatable (e.g. dist.device=cuda:0)")
     args = parser.parse_args()
+    OVERRIDES[:] = args.override
     jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]
     unknown = sorted(set(jobs) - set(JOBS))
     if unknown:
@@ -328,7 +336,7 @@ def main() -> None:
         "benchmark": "recovery", "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
         "started_unix_s": round(started_at, 1), "total_wall_s": round(time.monotonic() - started, 1),
         "python": platform.python_version(), "cpu_count": os.cpu_count(), "torchrun": TORCHRUN[1:],
-        "jobs": {name: JOBS[name] for name in jobs}, "summary": summary, "imports": imports, "trials": results,
+        "jobs": {name: JOBS[name] for name in jobs}, "overrides": OVERRIDES, "summary": summary, "imports": imports, "trials": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -205,6 +205,7 @@ class DistConfig(_Section):
     distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: cuda:LOCAL_RANK if available)
+    deterministic: bool = True  # on CUDA: deterministic algorithms and cuBLAS workspace (determinism.py); no-op on CPU
     find_unused_parameters: bool | None = None  # None: DDP_FIND_UNUSED_PARAMETERS or false
     sync_batchnorm: bool = False
     strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, sharded snapshots (docs/guides/fsdp.md)

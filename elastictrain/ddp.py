@@ -64,6 +64,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.model if isinstance(model, LossForward) else model
 
 
+def state_module(model: nn.Module) -> nn.Module:
+    """The module whose state_dict is the snapshot's weights: ``unwrap``'s, and torch.compile's wrapper off too.
+
+    torch.compile returns an OptimizedModule whose state_dict keys all start with ``_orig_mod.``; the module it
+    wraps holds the same parameters, so snapshots of a compiled model are the plain model's (a compiled and an
+    uncompiled run resume from each other's snapshots, with the same params_sha256).
+    """
+    model = unwrap(model)
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch._dynamo's OptimizedModule
+        model = unwrap(model._orig_mod)
+    return model
+
+
 def no_sync(model: nn.Module, skip_sync: bool) -> Any:
     """DDP's no_sync() for all micro-batches but the last of an accumulated step."""
     if skip_sync and isinstance(model, nn.parallel.DistributedDataParallel):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from . import determinism
 from .config import DistConfig
 from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
 from .launch_env import LaunchEnv, detect_launch_env
@@ -83,6 +85,12 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
     else:
         distributed = bool(cfg.distributed)
     device = _choose_device(cfg.device, env.local_rank)
+    # Before the first CUDA operation: cuBLAS reads its workspace setting when its handle is made.
+    startup_line = determinism.apply(determinism.decide(device, cfg.deterministic, os.environ))
+    if startup_line:
+        log.info("%s", startup_line)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend, run_store, round_id = None, None, ""
     if distributed:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -108,7 +116,6 @@ def _choose_device(choice: str, local_rank: int) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DistributedSetupError(f"dist.device={choice!r} but CUDA is not available here; use dist.device=cpu")
-        torch.cuda.set_device(device)
     return device
 
 

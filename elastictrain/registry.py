@@ -1,9 +1,9 @@
 """Everything the user registered as state, by name: what every snapshot holds besides the run's own.
 
-Models (unwrapped from DDP) are the snapshot's weights: one registered model is the model, several
-are saved as one ``nn.ModuleDict`` of them. Optimizers get a step hook, so that a survivor copy can
-tell a step half done (session.py). A scheduler factory (``PendingScheduler``) is built once the
-run's length is known.
+Models (unwrapped from DDP and torch.compile) are the snapshot's weights: one registered model is
+the model, several are saved as one ``nn.ModuleDict`` of them. Optimizers get a step hook, so that a
+survivor copy can tell a step half done (session.py). A scheduler factory (``PendingScheduler``) is
+built once the run's length is known.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Registry:
         if isinstance(value, torch.optim.Optimizer):
             fsdp.rebind(value, self.replaced)
             value.register_step_post_hook(self._optimizer_stepped)
-        self.objects[name] = ddp.unwrap(value) if isinstance(value, nn.Module) else value
+        self.objects[name] = ddp.state_module(value) if isinstance(value, nn.Module) else value
 
     def model(self) -> nn.Module:
         """The weights of every snapshot: the one registered model, or a ModuleDict of several."""

@@ -154,7 +154,7 @@ class Session:
         before = dict(model.named_parameters())
         wrapped, sync = wrap_model_for(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
         self.grad_sync = sync or self.grad_sync
-        self.registry.wrapped.append(ddp.unwrap(wrapped))
+        self.registry.wrapped.append(ddp.state_module(wrapped))
         self.registry.replaced.update(fsdp.replaced_parameters(before, model))  # FSDP's sharded parameters
         return wrapped
 

@@ -15,6 +15,7 @@ import pickle
 import random
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
 
@@ -232,10 +233,33 @@ def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu
         ) from None
 
 
+COMPILE_WRAPPER = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model under
+
+
+def without_compile_wrapper(weights: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` saved from a torch.compile'd model as is (every key with ``_orig_mod.`` in it), named as ``own``.
+
+    Snapshots hold the plain model's names (ddp.unwrap takes the compile wrapper off); a snapshot whose names carry
+    it (from a model registered compiled by an earlier version, or saved elsewhere) loads into the plain model.
+    Unchanged when ``own`` itself has the wrapper's names or ``weights`` has none.
+    """
+    def plain(key: str) -> str:
+        return ".".join(part for part in key.split(".") if part != COMPILE_WRAPPER)
+
+    if any(COMPILE_WRAPPER in key.split(".") for key in own) or not any(plain(key) != key for key in weights):
+        return weights
+    renamed = OrderedDict((plain(key), value) for key, value in weights.items())
+    metadata = getattr(weights, "_metadata", None)
+    if metadata is not None:  # per-module versions load_state_dict reads (BatchNorm's), under the plain names
+        renamed._metadata = {plain(key): value for key, value in metadata.items()}
+    return renamed
+
+
 def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str,
                        start_fresh: str = "start fresh with snapshot.durable.url set to an empty location") -> None:
     """Load weights strictly; a different model is one clear error naming the differences and ``start_fresh``."""
     own = model.state_dict()
+    weights = without_compile_wrapper(weights, own)
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
     reshaped = [

@@ -72,6 +72,12 @@ def serve(base: str, lock_fd: int, agent_fd: int) -> ChildJob | None:
             if accepted is None:
                 continue
             connection, request, fds = accepted
+            if cuda_initialized():  # checked before the server was forked too (warmstart.fork_hazard); never fork one
+                _reply(connection, {"cold": "it holds a CUDA context, which a forked worker could not use"})
+                connection.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
             pid = os.fork()
             if pid == 0:  # the child keeps only its own connection and descriptors
                 listener.close()
@@ -92,6 +98,12 @@ def serve(base: str, lock_fd: int, agent_fd: int) -> ChildJob | None:
                     os.unlink(name)
                 except FileNotFoundError:
                     pass
+
+
+def cuda_initialized() -> bool:
+    """Whether this process holds a CUDA context (torch imported and CUDA initialised), without importing torch."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] | None:

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 
 from .warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
-from .warm_server import ChildJob, run_child, run_target, serve
+from .warm_server import ChildJob, cuda_initialized, run_child, run_target, serve
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastictrain.loop")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -206,10 +206,10 @@ def _start_server(base: str, target: Target) -> object:
         os.close(lock_fd)
         return None
     preloaded = preload(target.preload)
-    started_threads = threading.active_count() - 1
-    if preloaded and started_threads:
-        say(f"the preloaded modules started threads ({started_threads}): a fork of them is unsafe; restarts run cold")
-    if not preloaded or started_threads:
+    unsafe = fork_hazard(threading.active_count() - 1, cuda_initialized()) if preloaded else None
+    if unsafe:
+        say(f"{unsafe}; restarts run cold")
+    if not preloaded or unsafe:
         os.unlink(base + ".lock")  # no server will own it
         os.close(lock_fd)
         os.close(agent_fd)
@@ -240,6 +240,20 @@ def _start_server(base: str, target: Target) -> object:
     os.close(agent_fd)
     say("this start runs cold and forked a preloaded interpreter from itself: restarts fork from it")
     return SEEDED
+
+
+def fork_hazard(started_threads: int, cuda_context: bool) -> str | None:
+    """Why a fork of this interpreter would give broken workers, or None when it is safe.
+
+    A thread holding a lock at the fork leaves the lock held forever in the child. A CUDA context does not
+    survive a fork at all: torch marks the child a "bad fork" and its first CUDA call raises, so every warm
+    worker of a GPU job would fail. The preloaded interpreter must never have touched CUDA.
+    """
+    if cuda_context:
+        return "a preloaded module initialised CUDA: a forked worker could not use the GPU"
+    if started_threads:
+        return f"the preloaded modules started threads ({started_threads}): a fork of them is unsafe"
+    return None
 
 
 def preload(names: tuple[str, ...]) -> bool:
@@ -305,7 +319,9 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
     except OSError as error:
         started = None
         say(f"the preloaded interpreter did not answer ({error})")
-    if not started:  # nothing runs yet: start cold instead, with the signals back as they were
+    if not started or "pid" not in started:  # nothing runs yet: start cold instead, with the signals back as they were
+        if started:
+            say(f"the preloaded interpreter refused to fork ({started['cold']})")
         connection.close()
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)

@@ -79,8 +79,19 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(items):
     """Tiers: a test is `slow` when it starts processes or servers, or trains for seconds in this process (its
     `torchrun` or `slow` marker, or a fixture of SLOW_FIXTURES); every other test is `fast`. `python -m pytest
-    -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier."""
+    -m fast` runs the fast tier alone; `python -m pytest` (.ci/run) runs every tier. A `cuda` test is slow, and
+    skipped with one reason where no GPU is present; `python -m pytest -m cuda` runs the GPU tier alone."""
+    no_gpu = None
     for item in items:
+        if item.get_closest_marker("cuda"):
+            if no_gpu is None:
+                from tests.helpers.devices import cuda_available
+
+                no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); the GPU tier: "
+                                                 "benchmarks/gpu/run_all.sh") if not cuda_available() else False
+            if no_gpu:
+                item.add_marker(no_gpu)
+            item.add_marker(pytest.mark.slow)  # never in the fast tier: it needs a GPU and starts CUDA
         if item.get_closest_marker("torchrun") or not SLOW_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.slow)
         if not item.get_closest_marker("slow"):

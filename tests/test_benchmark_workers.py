@@ -64,3 +64,31 @@ def test_the_textbook_worker_prints_its_marks_and_its_checkpoints(tmp_path):
     assert {"exec", "imported", "pg", "group", "restored", "done"} <= set(attempt.events), attempt.events
     assert [step for step, _ in attempt.steps] == [1, 2, 3] and attempt.done_step == 3
     assert [step for step, _ in attempt.snapshots] == [3], "the epoch's checkpoint"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_gpu_snapshot_benchmark_measures_every_mode_tiny(tmp_path, device):
+    """benchmarks/gpu_snapshot.py with a 1e6-parameter model: every mode snapshots at the steps asked, the state
+    it writes is the weights and Adam's two moments (12 bytes a parameter), and each blocked time is measured."""
+    out = tmp_path / "gpu_snapshot.json"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_snapshot.py"), "--device", device,
+                           "--params", "1e6", "--steps", "12", "--every", "4", "--batch", "32", "--dir", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, env={**job_env(), "OMP_NUM_THREADS": "1"},
+                          cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["off", "durable_async", "fast_tier", "dcp"]
+    assert abs(report["params"] - 1e6) < 0.05e6
+    assert results["off"]["snapshots"] == 0
+    # The node-local tier takes no copy at the end of the run (durable's step 12 is the run's last step).
+    expected_steps = {"durable_async": [4, 8, 12], "fast_tier": [4, 8], "dcp": [4, 8, 12]}
+    for mode, steps in expected_steps.items():
+        result = results[mode]
+        assert result["snapshot_steps"] == steps, (mode, result)
+        assert 12 * report["params"] <= result["snapshot_bytes"] <= 12.5 * report["params"], (mode, result)
+        assert len(result["blocked_s"]) == len(steps) and all(0 < b < 60 for b in result["blocked_s"]), (mode, result)
+        assert len(result["at_snapshot_step_s"]) == len(steps) and result["baseline_steps"] >= 1
+    assert "results: " + str(out) in done.stdout
+    assert [line.split()[0] for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in results] == \
+        list(results)  # the table: one row a mode

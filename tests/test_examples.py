@@ -21,7 +21,7 @@ import pytest
 from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
 from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
-from tests.helpers import procs
+from tests.helpers import devices, procs
 from tests.helpers.jobs import start_steps
 
 TIMEOUT_S = 180
@@ -47,10 +47,17 @@ EXAMPLES = {
 }
 
 
-def launch(workdir: Path, name: str, example: str, pauses: str | None = None) -> procs.Launched:
+# The killed-then-preempted test on each example on the CPU, and on CUDA for the GAN: a custom loop (Session) with two
+# models, two optimizers and noise drawn from the device's generator (tests/helpers/devices.py: both ranks on one GPU).
+FAULTED_CASES = [pytest.param(example, devices.CPU, id=example) for example in EXAMPLES] + [
+    pytest.param("gan", devices.CUDA_FP32, id="gan-cuda-fp32", marks=pytest.mark.cuda)]
+
+
+def launch(workdir: Path, name: str, example: str, pauses: str | None = None,
+           variant: devices.Variant = devices.CPU) -> procs.Launched:
     script = [str(PAUSED)] if pauses is not None else []
     command = [*torchrun_launcher(), *script, str(REPO_ROOT / "examples" / f"{example}.py"),
-               f"run.dir={workdir / 'run'}", *COMMON]
+               f"run.dir={workdir / 'run'}", *COMMON, *variant.overrides]
     env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}
     return procs.launch(command, log_path=workdir / f"{name}.log", env=env, cwd=workdir)
 
@@ -75,14 +82,15 @@ def unbroken(tmp_path_factory):
     """One unbroken run of each example, as a user starts it, run when first asked for."""
     runs = {}
 
-    def run(example: str):
-        if example not in runs:
-            workdir = tmp_path_factory.mktemp(f"unbroken-{example}")
-            job = launch(workdir, "job", example)
+    def run(example: str, variant: devices.Variant = devices.CPU):
+        key = (example, variant.name)
+        if key not in runs:
+            workdir = tmp_path_factory.mktemp(f"unbroken-{example}-{variant.name}")
+            job = launch(workdir, "job", example, variant=variant)
             assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
             procs.kill_all_launched()
-            runs[example] = (parse_job(job.output()), workdir)
-        return runs[example]
+            runs[key] = (parse_job(job.output()), workdir)
+        return runs[key]
 
     return run
 
@@ -111,11 +119,12 @@ def test_an_unbroken_run_of_each_example_trains_every_step_with_its_state_in_the
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("example", list(EXAMPLES))
-def test_each_example_killed_then_preempted_then_relaunched_ends_bitwise_equal_to_the_unbroken_run(tmp_path, unbroken, example):
+@pytest.mark.parametrize("example, variant", FAULTED_CASES)
+def test_each_example_killed_then_preempted_then_relaunched_ends_bitwise_equal_to_the_unbroken_run(tmp_path, unbroken, example,
+                                                                                                  variant):
     spec = EXAMPLES[example]
     same_command = f"1@{spec.kill_step},0@{spec.preempt_step}"
-    job = launch(tmp_path, "first", example, same_command)
+    job = launch(tmp_path, "first", example, same_command, variant)
     killed = int(procs.wait_for_file(tmp_path / f"paused-rank1-step{spec.kill_step}.pid", TIMEOUT_S, job))
     os.kill(killed, signal.SIGKILL)
     # torchrun restarts the group; it resumes from the newest snapshot and rank 0 pauses in a later step.
@@ -133,10 +142,12 @@ def test_each_example_killed_then_preempted_then_relaunched_ends_bitwise_equal_t
     assert SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()[0].step == stopped[0]
     assert "Traceback" not in worker_lines(output)
 
-    again = launch(tmp_path, "second", example, same_command)  # the same command: the pauses happened already
+    again = launch(tmp_path, "second", example, same_command, variant)  # the same command: the pauses happened already
     assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
     assert start_steps(again.output()) == [stopped[0]]
     result = parse_job(again.output())
     assert result.summary["state"] == "DONE" and result.summary["step"] == str(spec.steps)
     assert result.summary["attempts"] == "3", "the first attempt, torchrun's restart, the relaunch"
-    assert result.summary["params_sha256"] == unbroken(example)[0].summary["params_sha256"]
+    assert result.summary["params_sha256"] == unbroken(example, variant)[0].summary["params_sha256"]
+    if variant.cuda:
+        assert output.count(devices.DETERMINISM_LINE) == 2 and devices.DETERMINISM_LINE in again.output()

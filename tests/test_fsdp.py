@@ -29,7 +29,7 @@ from elastictrain.snapshot import params_sha256
 from elastictrain.tasks import spirals
 
 from tests.conftest import WARM, job_env, parse_job, torchrun_command
-from tests.helpers import procs
+from tests.helpers import devices, procs
 from tests.helpers.corrupt import flip_middle_byte
 from tests.helpers.agents import NodeGroup
 from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps
@@ -55,33 +55,44 @@ def manifest(run_dir, step: int) -> dict:
     return json.loads((run_dir / "snapshots" / f"step-{step:012d}" / "manifest.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The unbroken fsdp run, once for the xdist workers together (as tests/conftest.py's reference_run)."""
+def fsdp_reference(tmp_path_factory, variant: devices.Variant = devices.CPU):
+    """The unbroken fsdp run of ``variant``, once for the xdist workers together (as tests/conftest.py's reference_run)."""
     shared = tmp_path_factory.getbasetemp().parent if "PYTEST_XDIST_WORKER" in os.environ else tmp_path_factory.getbasetemp()
-    workdir = shared / "fsdp-reference"
+    workdir = shared / ("fsdp-reference" if variant is devices.CPU else f"fsdp-reference-{variant.name}")
     workdir.mkdir(exist_ok=True)
     with FileLock(str(workdir / "reference.lock")):
         if (workdir / "reference.pickle").exists():
             return workdir, pickle.loads((workdir / "reference.pickle").read_bytes())
-        result = finished(launch(workdir, "reference"))
+        result = finished(launch(workdir, "reference", variant.overrides))
         (workdir / "reference.pickle").write_bytes(pickle.dumps(result))
         return workdir, result
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return fsdp_reference(tmp_path_factory)
+
+
+# FSDP2 on one GPU: both ranks' shards on cuda:0, gloo's collectives on CUDA tensors (NCCL needs a GPU per rank).
+FSDP_VARIANTS = [devices.CPU.param(), devices.CUDA_FP32.param()]
+
+
 @pytest.mark.torchrun
-def test_fsdp_sigkill_mid_training_resumes_bitwise_from_every_ranks_shards(tmp_path, reference):
-    ref_dir, ref = reference
+@pytest.mark.parametrize("variant", FSDP_VARIANTS)
+def test_fsdp_sigkill_mid_training_resumes_bitwise_from_every_ranks_shards(tmp_path, tmp_path_factory, variant):
+    ref_dir, ref = fsdp_reference(tmp_path_factory, variant)
     # Every rank's DCP file, DCP's metadata and rank 0's state.pt, each with its size and checksum; no model.pt.
     objects = manifest(ref_dir / "run", 96)["objects"]
     assert sorted(objects) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
     assert all(entry["size"] > 0 and entry["digest"] for entry in objects.values())
 
-    job = launch(tmp_path, "killed", ["task.args.pause_rank=1", "task.args.pause_at_step=60"])
+    job = launch(tmp_path, "killed", [*variant.overrides, "task.args.pause_rank=1", "task.args.pause_at_step=60"])
     os.kill(int(procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)), signal.SIGKILL)
     result = finished(job)
     assert start_steps(result.output) == [0, 50], "expected one restart, from the snapshot of step 50"
     assert result.summary["params_sha256"] == ref.summary["params_sha256"]
+    if variant.cuda:
+        assert result.output.count(devices.DETERMINISM_LINE) == 2
 
 
 @pytest.mark.torchrun
@@ -174,10 +185,12 @@ def test_fsdp_corrupt_shard_skips_that_snapshot_and_resumes_bitwise_from_the_one
 
 
 @pytest.mark.torchrun
-def test_fsdp_resumes_at_4_then_2_then_3_workers_resharding_and_exports_a_plain_state_dict(tmp_path):
+@pytest.mark.parametrize("variant", FSDP_VARIANTS)
+def test_fsdp_resumes_at_4_then_2_then_3_workers_resharding_and_exports_a_plain_state_dict(tmp_path, variant):
     """Trained at 4 workers to step 12 and at 2 to step 30, the job is relaunched at 3 with nothing left to train:
-    its parameters, read from 2 ranks' shards into 3, are bitwise those the 2-worker run ended with."""
-    reshard = ["train.on_world_size_change=keep_rank_batch", "snapshot.durable.every_steps=10"]
+    its parameters, read from 2 ranks' shards into 3, are bitwise those the 2-worker run ended with. On CUDA every
+    rank's shards are on the one GPU, and the export reads them onto the CPU."""
+    reshard = [*variant.overrides, "train.on_world_size_change=keep_rank_batch", "snapshot.durable.every_steps=10"]
     results = {}
     for nproc, max_steps in ((4, 12), (2, 30), (3, 30)):
         results[nproc] = finished(launch(tmp_path, f"world{nproc}", [*reshard, f"train.max_steps={max_steps}"], nproc))

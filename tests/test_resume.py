@@ -23,9 +23,9 @@ from elastictrain.storage import SnapshotStore
 from elastictrain.tasks import spirals
 
 from tests.conftest import parse_job
-from tests.helpers import procs
+from tests.helpers import devices, procs
 from tests.helpers.corrupt import flip_middle_byte
-from tests.helpers.jobs import ONE_THREAD, TIMEOUT_S, launch_job, start_steps
+from tests.helpers.jobs import ONE_THREAD, TIMEOUT_S, launch_job, start_steps, variant_reference
 from tests.helpers.tasks import read_traces, stitch
 
 pytestmark = pytest.mark.torchrun
@@ -39,10 +39,15 @@ def reference(reference_run):
     return reference_run.result, reference_run.traces, final_state
 
 
+def final_state(workdir) -> dict:
+    """The state object of the run's final snapshot (optimizer, scheduler, scaler, history, ...), on the CPU."""
+    _, objects = SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()
+    return load_object(objects["state.pt"], "final")
+
+
 def final_history(workdir) -> list[dict]:
     """The metric history of the run's final snapshot: what the trackers (track.*) write, point by point."""
-    _, objects = SnapshotStore(str(workdir / "run" / "snapshots")).latest_valid()
-    return load_object(objects["state.pt"], "final")["history"]["records"]
+    return final_state(workdir)["history"]["records"]
 
 
 def assert_same_samples(tmp_path, result, ref_traces) -> None:
@@ -63,13 +68,20 @@ def test_reference_run_trains_every_sample_once_per_epoch(reference):
     assert traces[0][0] != traces[0][48]
 
 
-def test_sigkill_worker_before_the_first_snapshot_and_again_mid_epoch_resumes_bitwise(tmp_path, reference):
+@pytest.mark.parametrize("variant", [variant.param() for variant in devices.ALL])
+def test_sigkill_worker_before_the_first_snapshot_and_again_mid_epoch_resumes_bitwise(tmp_path, variant, request):
     """One job, two kills of rank 1: in step 7 (no snapshot yet: the restart starts over from step 0), then,
     in the restarted attempt, in step 37 (mid-epoch 0: the restart restores step 25). Each kill costs
-    exactly one restart, and the run ends with the unbroken run's parameters and samples."""
-    ref_result, ref_traces, _ = reference
+    exactly one restart, and the run ends with the unbroken run's parameters and samples.
+
+    The same test on each device variant (tests/helpers/devices.py): on CUDA in fp32, bf16 autocast and fp16
+    with a GradScaler, two ranks on one GPU; the model's dropout draws from the CUDA generator, so a CUDA RNG
+    state not restored (or restored onto the wrong device) changes the parameters. The restarts are forked
+    from the preloaded interpreter (warm restarts): each forked worker initialises CUDA itself."""
+    reference = variant_reference(variant, request)
+    ref_result, ref_traces = reference.result, reference.traces
     first_kill, second_kill = 7, 37
-    job = launch_job(tmp_path, "job", [f"task.args.pauses=[[1,{first_kill}],[1,{second_kill}]]"])
+    job = launch_job(tmp_path, "job", [*variant.overrides, f"task.args.pauses=[[1,{first_kill}],[1,{second_kill}]]"])
     for kill_step in (first_kill, second_kill):  # a pause point fires once per job: the second is in attempt 1
         pid = int(procs.wait_for_file(tmp_path / "trace" / f"paused-rank1-call{kill_step}.pid", TIMEOUT_S, job))
         os.kill(pid, signal.SIGKILL)
@@ -81,6 +93,15 @@ def test_sigkill_worker_before_the_first_snapshot_and_again_mid_epoch_resumes_bi
     assert result.summary["restart"] == "2"
     assert result.summary["params_sha256"] == ref_result.summary["params_sha256"]
     assert_same_samples(tmp_path, result, ref_traces)
+    # Every component of the final snapshot, the GradScaler's scale and growth tracker included (fp16): a scaler
+    # that restarted fresh at step 25 would end with another growth tracker than the unbroken run's.
+    final, ref_final = final_state(tmp_path), final_state(reference.workdir)
+    assert final.get("grad_scaler") == ref_final.get("grad_scaler")
+    assert (final.get("grad_scaler") is not None) == variant.name.endswith("fp16")
+    if variant.cuda:
+        output = result.output
+        assert output.count(devices.DETERMINISM_LINE) == 3, "rank 0 of every attempt names the determinism settings"
+        assert output.count("started warm, forked from the preloaded interpreter") == 4, "both restarts warm, both ranks"
 
 
 def test_sigkill_of_the_fast_tiers_writer_restores_its_timed_copy_from_memory_bitwise(tmp_path, reference):

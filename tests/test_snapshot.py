@@ -30,6 +30,43 @@ def test_rng_states_survive_save_and_safe_load():
     assert draws() == expected
 
 
+def draws_on(device: torch.device) -> list:
+    """A draw of every RNG a rank uses: python, numpy, torch's CPU generator and, on CUDA, the device's (dropout)."""
+    values = [random.random(), float(np.random.rand()), torch.rand(3).tolist()]
+    if device.type == "cuda":
+        values += [torch.rand(3, device=device).tolist(),
+                   torch.nn.functional.dropout(torch.ones(64, device=device), 0.5).tolist()]
+    return values
+
+
+def scramble_rngs(device: torch.device) -> None:
+    random.seed(11), np.random.seed(12), torch.manual_seed(13)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(14)
+
+
+@pytest.mark.parametrize("device, map_location", [
+    ("cpu", "cpu"), ("cpu", "the device"),
+    pytest.param("cuda:0", "cpu", marks=pytest.mark.cuda), pytest.param("cuda:0", "the device", marks=pytest.mark.cuda),
+])
+def test_rng_states_come_back_onto_the_run_device_whatever_map_location(device, map_location):
+    """capture_rng -> save -> load_object(map_location) -> restore_rng: every RNG stream continues where it was.
+
+    restore.py loads the state object onto the run's device (the optimizer's tensors belong there), so on CUDA the
+    RNG state tensors arrive on the GPU: each is brought back to the CPU before torch or numpy take it (the bug one
+    H200 run found: every CUDA resume failed in RESTORE)."""
+    device = torch.device(device)
+    location = device if map_location == "the device" else map_location
+    buffer = io.BytesIO()
+    save_object({"rng": capture_rng(device)}, buffer)
+    expected = draws_on(device)
+    scramble_rngs(device)
+    loaded = load_object(buffer.getvalue(), "test", map_location=location)["rng"]
+    assert loaded["torch"].device == torch.device(location)  # where map_location put it, before restore_rng
+    restore_rng(loaded, device)
+    assert draws_on(device) == expected
+
+
 def test_save_object_skips_the_zip_crc32_loads_the_same_and_leaves_torchs_setting_alone():
     state = {"weights": torch.randn(64, 64), "step": 7, "nested": [torch.arange(5)]}
     buffer = io.BytesIO()

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from elastictrain.warmstart import DEFAULT_PRELOAD, Target, parse, server_pids, server_prefix
+from elastictrain.warmstart import DEFAULT_PRELOAD, Target, fork_hazard, parse, server_pids, server_prefix
 from tests.conftest import REPO_ROOT, job_env, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -79,9 +79,65 @@ def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(
     assert "warm" not in ended.stderr
 
 
+# A module that initialises CUDA when it is imported. Without a GPU, torch's flag is set as torch.cuda.init() sets it:
+# what the guard reads (torch.cuda.is_initialized()); on a GPU machine CUDA is initialised for real.
+CUDA_PRELOAD = """import torch
+if torch.cuda.is_available():
+    torch.cuda.init()
+else:
+    torch.cuda._initialized = True
+"""
+
+
+@pytest.mark.parametrize("threads, cuda_context, hazard", [
+    (0, False, None),
+    (2, False, "the preloaded modules started threads (2): a fork of them is unsafe"),
+    (0, True, "a preloaded module initialised CUDA: a forked worker could not use the GPU"),
+    (3, True, "a preloaded module initialised CUDA: a forked worker could not use the GPU"),  # CUDA's own threads too
+])
+def test_a_fork_is_refused_with_threads_running_or_a_cuda_context(threads, cuda_context, hazard):
+    assert fork_hazard(threads, cuda_context) == hazard
+
+
+SERVER_WITH_CUDA = """
+import os, socket, sys, threading, time
+import torch
+from elastictrain import warm_server
+from elastictrain.warm_protocol import receive_message, send_message
+
+torch.cuda._initialized = True  # CUDA initialised in the server after it was forked (a bug): it must fork no worker
+agent_read, agent_write = os.pipe()
+base = sys.argv[1]
+threading.Thread(target=warm_server.serve, args=(base, os.open(os.devnull, os.O_RDONLY), agent_read), daemon=True).start()
+while not os.path.exists(base + ".sock"):
+    time.sleep(0.01)
+client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+client.connect(base + ".sock")
+send_message(client, {"module": "json.tool", "script": None, "args": [], "cwd": "/", "env": {}, "streams": {},
+                      "client_started": 0.0}, [0, 1, 2])
+reply, _ = receive_message(client)
+try:
+    os.waitpid(-1, os.WNOHANG)
+    children = "a child"
+except ChildProcessError:
+    children = "no child"
+os.write(1, (repr(reply) + " / " + children).encode())
+os.write(agent_write, b"x")  # the agent is gone: the server returns
+"""
+
+
+@pytest.mark.slow
+def test_a_server_holding_a_cuda_context_forks_no_worker_and_tells_the_client_to_run_cold(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SERVER_WITH_CUDA, str(tmp_path / "warm")], capture_output=True,
+                          text=True, env=job_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "{'cold': 'it holds a CUDA context, which a forked worker could not use'} / no child"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preloaded, local_rank, said", [
     ("threaded_preload", "0", "the preloaded modules started threads (1): a fork of them is unsafe; restarts run cold"),
+    ("cuda_preload", "0", "a preloaded module initialised CUDA: a forked worker could not use the GPU; restarts run cold"),
     ("missing_preload", "0", "preloading missing_preload failed (ModuleNotFoundError: No module named "
                              "'missing_preload'); restarts run cold"),
     ("threaded_preload", "1", "this start runs cold: local rank 0 forks the preloaded interpreter"),
@@ -93,6 +149,7 @@ def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_
     # Another local rank neither preloads nor waits: it starts cold at once.
     (tmp_path / "threaded_preload.py").write_text("import threading, time\n"
                                                   "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "cuda_preload.py").write_text(CUDA_PRELOAD)
     script = tmp_path / "script.py"
     script.write_text("import sys\nprint('argv', sys.argv[1:], 'name', __name__)\nsys.exit(5)\n")
     env = {**job_env(), "TORCHELASTIC_RUN_ID": "preload-test", "LOCAL_RANK": local_rank, "XDG_RUNTIME_DIR": str(tmp_path),

@@ -7,6 +7,7 @@ restored, the very same samples on each rank in the same order.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import tempfile
@@ -57,6 +58,17 @@ def launch_job(workdir: Path, name: str, extra: list[str] = (), single_process: 
     return procs.launch(command, log_path=workdir / f"{name}.log", env={**job_env(), **(env or {})}, cwd=workdir)
 
 
+def variant_reference(variant, request) -> Reference:
+    """The unbroken run of ``variant`` (tests/helpers/devices.py): the suite's reference for the plain CPU one, one run
+    per other variant (made by the first test that asks, shared as the CPU one is)."""
+    if not variant.overrides:
+        return request.getfixturevalue("reference_run")
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        base = base.parent
+    return shared_reference(base / f"reference-{variant.name}", variant.overrides)
+
+
 @dataclass
 class Reference:
     result: JobResult
@@ -64,8 +76,8 @@ class Reference:
     workdir: Path
 
 
-def run_reference(workdir: Path) -> Reference:
-    job = launch_job(workdir, "job")
+def run_reference(workdir: Path, extra: tuple[str, ...] = ()) -> Reference:
+    job = launch_job(workdir, "job", list(extra))
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     procs.kill_all_launched()
     traces = {rank: read_traces(workdir / "trace", rank) for rank in (0, 1)}
@@ -73,8 +85,9 @@ def run_reference(workdir: Path) -> Reference:
     return Reference(parse_job(job.output()), {rank: t[0] for rank, t in traces.items()}, workdir)
 
 
-def shared_reference(workdir: Path) -> Reference:
-    """The reference run in ``workdir``, run by the first process to ask; later ones (other xdist workers) read it.
+def shared_reference(workdir: Path, extra: tuple[str, ...] = ()) -> Reference:
+    """The reference run in ``workdir`` (with the ``extra`` overrides of a device variant, tests/helpers/devices.py),
+    run by the first process to ask; later ones (other xdist workers) read it.
 
     The lock is held for the whole run, so a second asker waits for the first one's job instead of
     starting its own. A run that failed left no result: the next asker runs it again, in a directory of
@@ -85,6 +98,6 @@ def shared_reference(workdir: Path) -> Reference:
     with FileLock(str(workdir / "reference.lock")):
         if result_path.exists():
             return pickle.loads(result_path.read_bytes())
-        reference = run_reference(Path(tempfile.mkdtemp(prefix="run-", dir=workdir)))
+        reference = run_reference(Path(tempfile.mkdtemp(prefix="run-", dir=workdir)), extra)
         result_path.write_bytes(pickle.dumps(reference))
         return reference
