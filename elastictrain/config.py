@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -23,6 +25,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -36,6 +39,30 @@ DEFAULT_TASK_FACTORY = "elastictrain.tasks.spirals:build"
 class _Section(BaseModel):
     # Unknown keys are errors (a misspelt key must never be silently ignored).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int or float: train.batch_size=true would train with batch 1.
+        # A key's own validator (YAML's bare `off` for false) runs before this one.
+        kind = number_kind(cls.model_fields[info.field_name].annotation)
+        items = value if kind == "list" and isinstance(value, list) else [value] if kind else []
+        if any(isinstance(item, bool) for item in items):
+            raise ValueError("a boolean where a number is meant; write the number")
+        return value
+
+
+def number_kind(annotation: Any) -> str | None:
+    """'number' for a key that holds an int or float (and no bool), 'list' for a list of them, else None."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return number_kind(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is list:
+        return "list" if number_kind(typing.get_args(annotation)[0]) else None
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in members]
+    if bool in members:
+        return None
+    return "number" if any(m in (int, float) for m in members) else None
 
 
 class RunConfig(_Section):
@@ -75,9 +102,7 @@ class TrainConfig(_Section):
     @field_validator("intra_op_threads", mode="before")
     @classmethod
     def _off_is_not_false(cls, value: Any) -> Any:
-        if value is True:  # not a count of 1
-            raise ValueError("expected a thread count, auto or off")
-        return "off" if value is False else value  # YAML reads a bare `off` as false
+        return "off" if value is False else value  # YAML reads a bare `off` as false (true is refused as for any number)
 
 
 class DataConfig(_Section):
