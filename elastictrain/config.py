@@ -114,7 +114,9 @@ class DataConfig(_Section):
 class DurableTierConfig(_Section):
     # snapshot.durable: the store every node can read (a shared path or an object store), written by rank 0;
     # every rank agrees on each write's outcome.
-    url: str | None = None  # any fsspec URL, used as given; default <run dir>/snapshots
+    # Any fsspec URL, used as given; default <run dir>/snapshots. memory:// lives in one process: refused under
+    # torchrun with --max-restarts > 0, whose restarts are new processes.
+    url: str | None = None
     every_steps: NonNegativeInt = 100  # 0: off
     # 0: off; rank 0's clock, from the newest durable snapshot (or the run's first start), across restarts
     every_s: NonNegativeFloat = 0.0

@@ -136,6 +136,9 @@ class Session:
                 f"snapshot.durable.retry_for_s={self.cfg.snapshot.durable.retry_for_s:g} must be below dist.collective_timeout_s="
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
+        lost_on_restart = launch_env.store_lost_on_restart(self.cfg.durable_snapshot_url, launch)
+        if lost_on_restart:
+            raise ConfigError(lost_on_restart)
         self.health.attach(self.ctx, self.events)
         attach_reporters(self.cfg, self.ctx, self.events, self.machine, self.state)
         planned = fit_to_world(self.cfg.train, self.ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry

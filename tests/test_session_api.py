@@ -139,3 +139,23 @@ def test_a_custom_loop_killed_by_an_exception_resumes_bitwise_equal_to_an_unbrok
     assert resumed.state.run_log.attempts[-1]["start_step"] == 8  # the newest snapshot before the failure
     assert resumed.summary.attempts == 2 and resumed.summary.global_step == unbroken.global_step
     assert resumed.summary.params_sha256 == unbroken.params_sha256
+
+
+def test_a_store_in_memory_under_torchrun_with_restarts_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Each torchrun restart is a new process: memory:// snapshots would be gone, every restart a fresh start."""
+    from elastictrain.errors import ConfigError
+    from tests.helpers.agents import free_port
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "memory-store", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0",
+                "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "TORCHELASTIC_MAX_RESTARTS": "3"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    cfg = config(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        with Session(cfg):
+            pass
+    message = str(raised.value)
+    assert message.startswith(f"snapshot.durable.url={cfg['snapshot']['durable']['url']} lives in this process's "
+                              "memory, and torchrun restarts the workers as new processes (--max-restarts=3)")
+    assert "\n" not in message and "Traceback" not in capsys.readouterr().err
