@@ -68,7 +68,9 @@ def number_kind(annotation: Any) -> str | None:
 class RunConfig(_Section):
     name: str = "default"  # names the run directory runs/<name> when `dir` is not set
     dir: str | None = None  # run directory; default runs/<name> under the working directory
-    seed: int = 0  # seeds model init (same on all ranks) and per-rank RNG streams (seed + rank)
+    # Seeds Python's random, NumPy and torch (CUDA too) when the session is set up, the same on every rank: the
+    # model's initial weights (and an EMA copy of them); from RESTORE, each rank's own streams (seed + rank, or the snapshot's).
+    seed: int = 0
 
 
 class TaskConfig(_Section):

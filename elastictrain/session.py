@@ -146,6 +146,9 @@ class Session:
         optimizers = self.registry.optimizers
         self.metrics = TrainMetrics(self.ctx, self.state, self.events, self.health.sync_timer,
                                     lr=lambda: optimizers()[0].param_groups[0]["lr"] if optimizers() else None)
+        # What the loop builds now (models, an EMA copy) starts the same on every rank and every launch;
+        # RESTORE then gives each rank its own streams (seed + rank) or the snapshot's.
+        seed_rng(self.cfg.run.seed)
 
     def wrap(self, model: nn.Module, loss_fn: Callable | None = None) -> nn.Module:
         """The model on the session's device, under DDP when there are several workers.

@@ -38,7 +38,6 @@ def blobs(samples: int, features: int = 16, classes: int = 4) -> TensorDataset:
 
 def main(overrides: list[str]) -> None:
     with Session(CONFIG, overrides) as session:
-        torch.manual_seed(session.cfg.run.seed)  # the same initial weights on every rank and every attempt
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ddp = session.wrap(model)

@@ -159,3 +159,28 @@ def test_a_store_in_memory_under_torchrun_with_restarts_is_refused_in_one_line(t
     assert message.startswith(f"snapshot.durable.url={cfg['snapshot']['durable']['url']} lives in this process's "
                               "memory, and torchrun restarts the workers as new processes (--max-restarts=3)")
     assert "\n" not in message and "Traceback" not in capsys.readouterr().err
+
+
+def test_setup_seeds_every_generator_from_run_seed_whatever_came_before(tmp_path):
+    """A loop builds its models inside the session: their initial weights are run.seed's on every rank and launch."""
+    import random
+
+    import numpy as np
+
+    def first_draws(seed: int, before: int) -> tuple:
+        random.seed(before), np.random.seed(before), torch.manual_seed(before)  # the process's state on entry
+        cfg = config(tmp_path)
+        cfg["run"]["seed"] = seed
+        with Session(cfg) as session:
+            draws = (random.random(), float(np.random.rand()), torch.rand(3).tolist(), mlp_unseeded().state_dict())
+            session.register(model=nn.Linear(1, 1))  # a session left before restore: a warning, no error
+        return draws
+
+    def mlp_unseeded():
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    a, b, other = first_draws(7, before=1), first_draws(7, before=2), first_draws(8, before=1)
+    assert a[:3] == b[:3] and a[:3] != other[:3]
+    assert all(torch.equal(a[3][k], b[3][k]) for k in a[3]) and not torch.equal(a[3]["0.weight"], other[3]["0.weight"])
+    torch.manual_seed(7)
+    assert a[2] == torch.rand(3).tolist()  # torch.manual_seed(run.seed) itself: the Trainer's model init
