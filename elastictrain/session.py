@@ -42,6 +42,7 @@ from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
 from .registry import Registry
+from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
@@ -199,6 +200,9 @@ class Session:
         """Load the newest valid snapshot (both tiers) into everything registered; a fresh start without one."""
         self._in_setup("restore", "restore() is called once")
         self.model = model = self.registry.model()
+        if self.ctx.is_main:  # said once for the run: what a resume would silently lose
+            for warning in unregistered_state_named(self.registry.objects):
+                log.warning("%s", warning)
         data = self._data
         if data is None and self.cfg.train.max_steps is None:
             raise ConfigError("a session without session.loader() has no epochs to end it: set train.max_steps")

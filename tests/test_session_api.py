@@ -106,14 +106,15 @@ def test_restore_without_a_model_is_one_line(tmp_path, capsys):
     assert misuse(capsys, config(tmp_path), body).startswith("session.restore() with no model registered")
 
 
-def custom_loop(cfg: dict, fail_in_step: int | None = None) -> Session:
+def custom_loop(cfg: dict, fail_in_step: int | None = None, left_out: tuple[str, ...] = ()) -> Session:
     """A loop of one's own: noise from torch's RNG on the inputs, Adam, a scheduler stepped per step."""
     with Session(cfg) as session:
         model = mlp()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
         wrapped = session.wrap(model)
-        session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        session.register(**{name: value for name, value in state.items() if name not in left_out})
         loader = session.loader(points())
         session.restore()
         for _epoch in session.epochs():
@@ -184,3 +185,20 @@ def test_setup_seeds_every_generator_from_run_seed_whatever_came_before(tmp_path
     assert all(torch.equal(a[3][k], b[3][k]) for k in a[3]) and not torch.equal(a[3]["0.weight"], other[3]["0.weight"])
     torch.manual_seed(7)
     assert a[2] == torch.rand(3).tolist()  # torch.manual_seed(run.seed) itself: the Trainer's model init
+
+
+@pytest.mark.parametrize("left_out, warning", [
+    ((), None),
+    (("scheduler",), "WARNING optimizer 'optimizer' is driven by a StepLR that is not registered; "
+                     "session.register(lr_scheduler=...) it before restore(), or a resume restarts the schedule"),
+    (("optimizer", "scheduler"), "WARNING model 'model': 4 of its 4 trainable parameters are in no registered "
+                                 "optimizer (an unregistered Adam holds them);"),
+])
+def test_state_left_unregistered_is_one_warning_line_at_restore(tmp_path, capsys, left_out, warning):
+    """A resume would silently lose it (an unbroken run never shows it): restore() says so, once, before training."""
+    custom_loop(config(tmp_path, max_epochs=1), left_out=left_out)
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "not registered" in line or "no registered optimizer" in line]
+    assert said == ([] if warning is None else [said[0]]) and (warning is None or warning in said[0]), err
+    if warning:
+        assert err.index(warning) < err.index("state RESTORE -> TRAIN")
