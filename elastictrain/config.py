@@ -87,6 +87,8 @@ class TrainConfig(_Section):
     lr_scheduler_interval: Literal["step", "epoch"] = "step"
     eval_every_epochs: NonNegativeInt = 1  # 0: evaluate only at the end
     log_every_steps: PositiveInt = 25  # also how often losses are reduced across ranks
+    # The Trainer's forward and evaluation (float16 adds a GradScaler if the task has none); a custom loop's
+    # `with session.autocast():`, and a custom loop that sets it and never asks is warned at its first step.
     autocast_dtype: Literal["none", "bfloat16", "float16"] = "none"
     # When a restart brings another world size (an elastic job shrinking or growing):
     # keep_global_batch changes the accumulation so the global batch, the step count and the LR
@@ -109,7 +111,8 @@ class TrainConfig(_Section):
 
 class DataConfig(_Section):
     shuffle: bool = True  # a fresh permutation per epoch from (run.seed, epoch)
-    val_batch_size: PositiveInt = 256  # per rank
+    # Per rank: the Trainer's evaluation, a custom loop's session.val_loader() (one that sets it and builds none is warned).
+    val_batch_size: PositiveInt = 256
     num_workers: NonNegativeInt = 0  # DataLoader worker processes
 
 

@@ -27,13 +27,13 @@ import time
 from typing import Any, Callable, Iterator
 
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import grad_norm
 from .collectives import broadcast_from_main
 from .config import Config, load_config
-from .data import Shard
+from .data import EvalBatchSampler, Shard, make_loader
 from .errors import ConfigError, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
@@ -41,11 +41,13 @@ from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, schedul
 from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
+from .loop_keys import LoopKeys
 from .registry import Registry
 from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
+from .step_runner import autocast
 from .summary import RunSummary, attach_reporters, summarize
 from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
@@ -74,6 +76,7 @@ class Session:
         self.summary: RunSummary | None = None
         self.grad_sync: Any = None  # set by wrap(model, loss_fn): the step runner's gradient sync
         self.registry = Registry()
+        self.keys = LoopKeys(self.cfg)  # train.autocast_dtype, data.val_batch_size: applied when the loop asks
         self._data: TrainData | None = None
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._epoch_end: list[Callable[[], None]] = []
@@ -183,6 +186,15 @@ class Session:
                                skipped=self.state.anomalies.skipped_samples)
         return Loader(self._data, lambda: self.machine.finished)
 
+    def val_loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
+        """This rank's share of ``dataset`` (every sample once over all ranks; shards may be uneven), in batches
+        of ``data.val_batch_size``: for your evaluation (reduce its sums across ranks yourself)."""
+        self._in_setup("val_loader")
+        self.keys.ask("data.val_batch_size")
+        sampler = EvalBatchSampler(len(dataset), self.ctx.rank, self.ctx.world_size, self.cfg.data.val_batch_size)
+        return make_loader(dataset, sampler, self.cfg.data.num_workers, self.cfg.run.seed, collate_fn,
+                           seed_in_process=False)
+
     def evaluate_with(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """EVALUATE (every ``train.eval_every_epochs``, and at the end) calls ``evaluate()`` for metrics reduced
         across ranks; they are recorded as ``val_<name>``."""
@@ -201,7 +213,7 @@ class Session:
         self._in_setup("restore", "restore() is called once")
         self.model = model = self.registry.model()
         if self.ctx.is_main:  # said once for the run: what a resume would silently lose
-            for warning in unregistered_state_named(self.registry.objects):
+            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore()]:
                 log.warning("%s", warning)
         data = self._data
         if data is None and self.cfg.train.max_steps is None:
@@ -256,6 +268,11 @@ class Session:
         while not self.machine.finished:
             yield self.epoch
 
+    def autocast(self) -> Any:
+        """``train.autocast_dtype`` on the session's device, as a context for the forward and the loss."""
+        self.keys.ask("train.autocast_dtype")
+        return autocast(self.cfg.train.autocast_dtype, self.device)
+
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
         ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
@@ -291,6 +308,8 @@ class Session:
 
         ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
         self._training("step")
+        for warning in self.keys.at_step() if self.ctx.is_main else ():
+            log.warning("%s", warning)
         data = self._data
         if self.anomalies.active:
             self.anomalies.loss(values.get("loss"), self.global_step + 1)
