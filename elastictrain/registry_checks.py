@@ -5,7 +5,8 @@ left out restarts from scratch on every resume (Adam's moments, the schedule's p
 run still exits 0. What is visible at RESTORE is checked here, one warning line each:
 
 - a registered model's trainable parameters that no registered optimizer holds (the optimizer that
-  trains them is not registered; or nothing trains them, an EMA say, which wants requires_grad_(False));
+  trains them is not registered; or nothing trains them, a hand-made EMA copy say, which wants
+  requires_grad_(False); an ``AveragedModel`` is an average by its type);
 - a registered optimizer whose parameter groups an LR scheduler has touched (``initial_lr``, set by
   every ``torch.optim.lr_scheduler`` but ReduceLROnPlateau) with no scheduler of it registered.
 
@@ -22,6 +23,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -34,7 +36,7 @@ def unregistered_state(registered: dict[str, Any], live: Iterable[Any] = ()) -> 
     held = {id(p) for optimizer in optimizers.values() for group in optimizer.param_groups for p in group["params"]}
     warnings = []
     for name, model in registered.items():
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, nn.Module) or isinstance(model, AveragedModel):  # an EMA: averaged, not trained
             continue
         missing = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
         if not missing:

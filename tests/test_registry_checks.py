@@ -62,6 +62,8 @@ def test_an_ema_that_trains_is_named_frozen_parts_and_factories_are_not():
     objects["opt_g"] = torch.optim.SGD([objects["generator"].weight], lr=0.1)
     objects["scheduler"] = PendingScheduler(lambda opt, steps: None, objects["opt_g"])  # the Trainer's factory
     assert unregistered_state(objects) == []
+    objects["ema"] = torch.optim.swa_utils.AveragedModel(objects["generator"])  # trainable parameters, an average
+    assert unregistered_state(objects) == []
 
 
 def test_the_live_objects_are_found_in_the_process():
