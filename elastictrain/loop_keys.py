@@ -16,7 +16,7 @@ ASKED_THROUGH = {
     "train.autocast_dtype": ("session.autocast()", "first step"),
 }
 _HOW = {
-    "data.val_batch_size": "evaluate on session.val_loader(val_set), built before restore()",
+    "data.val_batch_size": "evaluate on session.val_loader(val_set), built before restore() (a Trainer: give it val_data)",
     "train.autocast_dtype": "run the forward and the loss under `with session.autocast():`",
 }
 

@@ -20,7 +20,8 @@ DEFAULTS = {"data.val_batch_size": 256, "train.autocast_dtype": "none"}
     (DEFAULTS, set(), "first step", []),
     ({**DEFAULTS, "data.val_batch_size": 64}, set(), "restore",
      ["data.val_batch_size=64 does nothing in this loop: only session.val_loader() applies it, and this loop did not "
-      "call it by its restore; evaluate on session.val_loader(val_set), built before restore(), or leave the key at "
+      "call it by its restore; evaluate on session.val_loader(val_set), built before restore() (a Trainer: give it "
+      "val_data), or leave the key at "
       "its default (256)"]),
     ({**DEFAULTS, "data.val_batch_size": 64}, {"data.val_batch_size"}, "restore", []),
     ({**DEFAULTS, "data.val_batch_size": 64}, set(), "first step", []),  # said at restore, not again
@@ -76,3 +77,18 @@ def test_a_custom_loop_that_does_not_ask_is_told_once_per_key(tmp_path, capsys):
     assert dtypes == [torch.float32, torch.float32]
     said = warnings_in(capsys.readouterr().err)
     assert [line.split(" does nothing")[0] for line in said] == ["data.val_batch_size=8", "train.autocast_dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("val_data, warned", [(True, []), (False, ["data.val_batch_size=8"])])
+def test_the_trainer_asks_for_both_keys_itself(tmp_path, capsys, val_data, warned):
+    """The Trainer evaluates on session.val_loader() and steps under session.autocast(): it is warned only when a
+    key truly does nothing (a validation batch without a validation set)."""
+    from elastictrain import Trainer
+    from elastictrain.tasks import spirals
+
+    task = spirals.build(train_samples=64, val_samples=32, hidden=8)
+    task.val_data = task.val_data if val_data else None
+    cfg = config(tmp_path, max_steps=2, autocast_dtype="bfloat16")
+    cfg["data"] = {"val_batch_size": 8}
+    Trainer.from_task(task, cfg).fit()
+    assert [line.split(" does nothing")[0] for line in warnings_in(capsys.readouterr().err)] == warned
