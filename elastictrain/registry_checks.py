@@ -12,8 +12,9 @@ run still exits 0. What is visible at RESTORE is checked here, one warning line 
 
 Deciding is pure (``unregistered_state``); only when it finds something are the live objects
 responsible looked for (``live_optimizers_and_schedulers``, one pass over the garbage collector's
-objects, some 70 ms in a process of 170,000), to name their classes. Not seen: a
-scheduler built after restore(), a ReduceLROnPlateau, any other object holding state.
+objects: 0.15 to 0.45 s for the 260,000 of a process that imported elastictrain, on a busy
+2-core machine), to name their classes. Not seen: a scheduler built after restore(), a
+ReduceLROnPlateau, any other object holding state.
 """
 
 from __future__ import annotations
