@@ -63,10 +63,8 @@ def main(overrides: list[str]) -> None:
                             loss = F.cross_entropy(logits.float(), labels)
                         (loss / len(batches)).backward()
                     accuracy = (logits.argmax(dim=1) == labels).float().mean()
-                    session.log(len(labels), loss=loss.detach(), accuracy=accuracy)  # the step's losses, checked too
-                # False when the step's update must not be taken (self-healing: anomaly.*), on every rank alike;
-                # clips to train.clip_grad_norm otherwise.
-                if session.gradients_ok():
+                    session.log(len(labels), loss=loss.detach(), accuracy=accuracy)
+                if session.gradients_ok():  # the all-reduced gradient norm is finite (self-healing: anomaly.*)
                     optimizer.step()
                     ema.update_parameters(model)
                 optimizer.zero_grad(set_to_none=True)
