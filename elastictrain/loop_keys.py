@@ -8,7 +8,11 @@ RESTORE (the validation loader is built in SETUP), autocast at the attempt's fir
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from torch.utils.data import DataLoader, Dataset
+
+from .data import EvalBatchSampler, make_loader
 
 # key -> (what applies it, where a loop must have asked by: "restore" or "first step")
 ASKED_THROUGH = {
@@ -57,3 +61,9 @@ class LoopKeys:
 
 def _values(cfg: Any) -> dict[str, Any]:
     return {"data.val_batch_size": cfg.data.val_batch_size, "train.autocast_dtype": cfg.train.autocast_dtype}
+
+
+def validation_loader(dataset: Dataset, collate_fn: Callable | None, rank: int, world_size: int, cfg: Any) -> DataLoader:
+    """This rank's share of ``dataset`` (every sample once over all ranks) in batches of ``data.val_batch_size``."""
+    sampler = EvalBatchSampler(len(dataset), rank, world_size, cfg.data.val_batch_size)
+    return make_loader(dataset, sampler, cfg.data.num_workers, cfg.run.seed, collate_fn, seed_in_process=False)

@@ -33,7 +33,7 @@ from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import grad_norm
 from .collectives import broadcast_from_main
 from .config import Config, load_config
-from .data import EvalBatchSampler, Shard, make_loader
+from .data import Shard
 from .errors import ConfigError, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
@@ -41,7 +41,7 @@ from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, schedul
 from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
-from .loop_keys import LoopKeys
+from .loop_keys import LoopKeys, validation_loader
 from .registry import Registry
 from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
@@ -191,9 +191,7 @@ class Session:
         of ``data.val_batch_size``: for your evaluation (reduce its sums across ranks yourself)."""
         self._in_setup("val_loader")
         self.keys.ask("data.val_batch_size")
-        sampler = EvalBatchSampler(len(dataset), self.ctx.rank, self.ctx.world_size, self.cfg.data.val_batch_size)
-        return make_loader(dataset, sampler, self.cfg.data.num_workers, self.cfg.run.seed, collate_fn,
-                           seed_in_process=False)
+        return validation_loader(dataset, collate_fn, self.ctx.rank, self.ctx.world_size, self.cfg)
 
     def evaluate_with(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """EVALUATE (every ``train.eval_every_epochs``, and at the end) calls ``evaluate()`` for metrics reduced
