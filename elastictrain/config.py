@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -23,6 +25,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -37,11 +40,37 @@ class _Section(BaseModel):
     # Unknown keys are errors (a misspelt key must never be silently ignored).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int or float: train.batch_size=true would train with batch 1.
+        # A key's own validator (YAML's bare `off` for false) runs before this one.
+        kind = number_kind(cls.model_fields[info.field_name].annotation)
+        items = value if kind == "list" and isinstance(value, list) else [value] if kind else []
+        if any(isinstance(item, bool) for item in items):
+            raise ValueError("a boolean where a number is meant; write the number")
+        return value
+
+
+def number_kind(annotation: Any) -> str | None:
+    """'number' for a key that holds an int or float (and no bool), 'list' for a list of them, else None."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return number_kind(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is list:
+        return "list" if number_kind(typing.get_args(annotation)[0]) else None
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in members]
+    if bool in members:
+        return None
+    return "number" if any(m in (int, float) for m in members) else None
+
 
 class RunConfig(_Section):
     name: str = "default"  # names the run directory runs/<name> when `dir` is not set
     dir: str | None = None  # run directory; default runs/<name> under the working directory
-    seed: int = 0  # seeds model init (same on all ranks) and per-rank RNG streams (seed + rank)
+    # Seeds Python's random, NumPy and torch (CUDA too) when the session is set up, the same on every rank: the
+    # model's initial weights (and an EMA copy of them); from RESTORE, each rank's own streams (seed + rank, or the snapshot's).
+    seed: int = 0
 
 
 class TaskConfig(_Section):
@@ -58,6 +87,8 @@ class TrainConfig(_Section):
     lr_scheduler_interval: Literal["step", "epoch"] = "step"
     eval_every_epochs: NonNegativeInt = 1  # 0: evaluate only at the end
     log_every_steps: PositiveInt = 25  # also how often losses are reduced across ranks
+    # The Trainer's forward and evaluation (float16 adds a GradScaler if the task has none); a custom loop's
+    # `with session.autocast():`, and a custom loop that sets it and never asks is warned at its first step.
     autocast_dtype: Literal["none", "bfloat16", "float16"] = "none"
     # When a restart brings another world size (an elastic job shrinking or growing):
     # keep_global_batch changes the accumulation so the global batch, the step count and the LR
@@ -75,21 +106,22 @@ class TrainConfig(_Section):
     @field_validator("intra_op_threads", mode="before")
     @classmethod
     def _off_is_not_false(cls, value: Any) -> Any:
-        if value is True:  # not a count of 1
-            raise ValueError("expected a thread count, auto or off")
-        return "off" if value is False else value  # YAML reads a bare `off` as false
+        return "off" if value is False else value  # YAML reads a bare `off` as false (true is refused as for any number)
 
 
 class DataConfig(_Section):
     shuffle: bool = True  # a fresh permutation per epoch from (run.seed, epoch)
-    val_batch_size: PositiveInt = 256  # per rank
+    # Per rank: the Trainer's evaluation, a custom loop's session.val_loader() (one that sets it and builds none is warned).
+    val_batch_size: PositiveInt = 256
     num_workers: NonNegativeInt = 0  # DataLoader worker processes
 
 
 class DurableTierConfig(_Section):
     # snapshot.durable: the store every node can read (a shared path or an object store), written by rank 0;
     # every rank agrees on each write's outcome.
-    url: str | None = None  # any fsspec URL, used as given; default <run dir>/snapshots
+    # Any fsspec URL, used as given; default <run dir>/snapshots. memory:// lives in one process: refused under
+    # torchrun with --max-restarts > 0, whose restarts are new processes.
+    url: str | None = None
     every_steps: NonNegativeInt = 100  # 0: off
     # 0: off; rank 0's clock, from the newest durable snapshot (or the run's first start), across restarts
     every_s: NonNegativeFloat = 0.0

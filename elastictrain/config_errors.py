@@ -62,7 +62,8 @@ def describe(error: dict[str, Any], root: type[BaseModel]) -> str:
     expected = _expected_type(path, root)
     if kind == "missing":
         return f"'{key}' is required ({expected}) but missing"
-    return f"'{key}' = {error.get('input')!r} is invalid: {error['msg']} ({expected})"
+    message = error["msg"].removeprefix("Value error, ")  # a validator's own sentence, without pydantic's label
+    return f"'{key}' = {error.get('input')!r} is invalid: {message} ({expected})"
 
 
 def _key_path(loc: list[str], root: type[BaseModel]) -> list[str]:

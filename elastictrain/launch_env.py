@@ -27,6 +27,7 @@ class LaunchEnv:
     run_id: str = "local"
     uses_agent_store: bool = False
     node_rank: int = 0  # GROUP_RANK under torchrun, SLURM_NODEID under srun
+    max_restarts: int = 0  # torchrun's --max-restarts: how many times new processes take over from these
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -45,6 +46,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
                 uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                 node_rank=int(env.get("GROUP_RANK", "0")),
+                max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
             )
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             job_id = env.get("SLURM_JOB_ID", "0")
@@ -86,3 +88,21 @@ def first_slurm_host(nodelist: str) -> str:
     if not ranges:
         return prefix
     return prefix + ranges.split(",")[0].split("-")[0]
+
+
+IN_PROCESS_PROTOCOLS = ("memory",)  # fsspec filesystems whose files live in the process that wrote them
+
+
+def store_lost_on_restart(url: str, env: LaunchEnv) -> str | None:
+    """Why snapshots at ``url`` cannot carry this launch's restarts (one line), or None when they can.
+
+    A restart is new processes: a store inside the process is empty in each of them, so every
+    restart would start fresh. A single process may keep one (nothing restarts it).
+    """
+    protocols = [part.partition("://")[0].lower() for part in url.split("::") if "://" in part]
+    in_process = next((p for p in protocols if p in IN_PROCESS_PROTOCOLS), None)
+    if in_process is None or env.max_restarts == 0:
+        return None
+    return (f"snapshot.durable.url={url} lives in this process's memory, and {env.launcher} restarts the workers as new "
+            f"processes (--max-restarts={env.max_restarts}): every restart would find no snapshot and start fresh; "
+            "use a path or a store every restart can read (a shared directory, s3://...), or --max-restarts=0")

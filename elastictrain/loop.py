@@ -26,14 +26,14 @@ from torch.utils.data import Dataset
 from . import ddp, dist
 from .collectives import all_gather
 from .config import Config, load_config
-from .data import EvalBatchSampler, batch_size_of, is_stream, make_loader, to_device
+from .data import batch_size_of, is_stream, to_device
 from .events import Observer
 from .geometry import run_steps, scheduler_steps
 from .reduce import reduce_objects
 from .session import RunSummary, Session
 from .snapshot import Progress, seed_rng
 from .states import State
-from .step_runner import StepRunner, autocast
+from .step_runner import StepRunner
 from .task import PendingScheduler, Task, load_task, split_loss
 
 __all__ = ["RunSummary", "Trainer"]
@@ -123,7 +123,8 @@ class Trainer:
             session.register(model=task.model, optimizer=task.optimizer, lr_scheduler=scheduler, grad_scaler=scaler)
             loader = session.loader(task.train_data, task.collate_fn)
             if task.val_data is not None:
-                session.evaluate_with(lambda: self._evaluate(session, model))
+                val_loader = session.val_loader(task.val_data, task.collate_fn)
+                session.evaluate_with(lambda: self._evaluate(session, model, val_loader))
             if train.lr_scheduler_interval == "epoch" and scheduler is not None:
                 session.every_epoch(lambda: session.registered("lr_scheduler").step())
             session.restore()
@@ -136,19 +137,16 @@ class Trainer:
                     session.step()
         return session.summary
 
-    def _evaluate(self, session: Session, model: torch.nn.Module) -> dict[str, float]:
+    def _evaluate(self, session: Session, model: torch.nn.Module, loader: Any) -> dict[str, float]:
         """One pass over the validation set, each rank its share; sample-weighted means over all ranks."""
         plain = ddp.unwrap(model)  # no DDP here: shards may be uneven, so no per-forward collective
         plain.eval()
-        sampler = EvalBatchSampler(len(self.task.val_data), session.rank, session.world_size, self.cfg.data.val_batch_size)
-        loader = make_loader(self.task.val_data, sampler, self.cfg.data.num_workers, self.cfg.run.seed,
-                             self.task.collate_fn, seed_in_process=False)
         # FSDP gathers each block's weights in its forward, a collective: through the sharded root, every rank
         # runs as many forwards (the extra ones repeat its last batch and count nothing).
         sharded = self.cfg.dist.strategy == "fsdp" and session.ctx.distributed
         forwards = max(all_gather(len(loader), session.ctx)) if sharded else 0
         count, sums, batch = 0, {}, None
-        with torch.no_grad(), autocast(self.cfg.train.autocast_dtype, session.device):
+        with torch.no_grad(), session.autocast():
             for batch in loader:
                 batch = to_device(batch, session.device)
                 samples = batch_size_of(batch)

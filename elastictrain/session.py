@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import grad_norm
@@ -41,10 +41,13 @@ from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, schedul
 from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
+from .loop_keys import LoopKeys, validation_loader
 from .registry import Registry
+from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
+from .step_runner import autocast
 from .summary import RunSummary, attach_reporters, summarize
 from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
@@ -73,6 +76,7 @@ class Session:
         self.summary: RunSummary | None = None
         self.grad_sync: Any = None  # set by wrap(model, loss_fn): the step runner's gradient sync
         self.registry = Registry()
+        self.keys = LoopKeys(self.cfg)  # train.autocast_dtype, data.val_batch_size: applied when the loop asks
         self._data: TrainData | None = None
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._epoch_end: list[Callable[[], None]] = []
@@ -136,6 +140,9 @@ class Session:
                 f"snapshot.durable.retry_for_s={self.cfg.snapshot.durable.retry_for_s:g} must be below dist.collective_timeout_s="
                 f"{self.cfg.dist.collective_timeout_s:g}; lower the first or raise the second"
             )
+        lost_on_restart = launch_env.store_lost_on_restart(self.cfg.durable_snapshot_url, launch)
+        if lost_on_restart:
+            raise ConfigError(lost_on_restart)
         self.health.attach(self.ctx, self.events)
         attach_reporters(self.cfg, self.ctx, self.events, self.machine, self.state)
         planned = fit_to_world(self.cfg.train, self.ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry
@@ -143,6 +150,9 @@ class Session:
         optimizers = self.registry.optimizers
         self.metrics = TrainMetrics(self.ctx, self.state, self.events, self.health.sync_timer,
                                     lr=lambda: optimizers()[0].param_groups[0]["lr"] if optimizers() else None)
+        # What the loop builds now (models, an EMA copy) starts the same on every rank and every launch;
+        # RESTORE then gives each rank its own streams (seed + rank) or the snapshot's.
+        seed_rng(self.cfg.run.seed)
 
     def wrap(self, model: nn.Module, loss_fn: Callable | None = None) -> nn.Module:
         """The model on the session's device, under DDP when there are several workers.
@@ -176,6 +186,13 @@ class Session:
                                skipped=self.state.anomalies.skipped_samples)
         return Loader(self._data, lambda: self.machine.finished)
 
+    def val_loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
+        """This rank's share of ``dataset`` (every sample once over all ranks; shards may be uneven), in batches
+        of ``data.val_batch_size``: for your evaluation (reduce its sums across ranks yourself)."""
+        self._in_setup("val_loader")
+        self.keys.ask("data.val_batch_size")
+        return validation_loader(dataset, collate_fn, self.ctx.rank, self.ctx.world_size, self.cfg)
+
     def evaluate_with(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """EVALUATE (every ``train.eval_every_epochs``, and at the end) calls ``evaluate()`` for metrics reduced
         across ranks; they are recorded as ``val_<name>``."""
@@ -193,6 +210,9 @@ class Session:
         """Load the newest valid snapshot (both tiers) into everything registered; a fresh start without one."""
         self._in_setup("restore", "restore() is called once")
         self.model = model = self.registry.model()
+        if self.ctx.is_main:  # said once for the run: what a resume would silently lose
+            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore()]:
+                log.warning("%s", warning)
         data = self._data
         if data is None and self.cfg.train.max_steps is None:
             raise ConfigError("a session without session.loader() has no epochs to end it: set train.max_steps")
@@ -246,6 +266,11 @@ class Session:
         while not self.machine.finished:
             yield self.epoch
 
+    def autocast(self) -> Any:
+        """``train.autocast_dtype`` on the session's device, as a context for the forward and the loss."""
+        self.keys.ask("train.autocast_dtype")
+        return autocast(self.cfg.train.autocast_dtype, self.device)
+
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
         ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
@@ -281,6 +306,8 @@ class Session:
 
         ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
         self._training("step")
+        for warning in self.keys.at_step() if self.ctx.is_main else ():
+            log.warning("%s", warning)
         data = self._data
         if self.anomalies.active:
             self.anomalies.loss(values.get("loss"), self.global_step + 1)

@@ -35,7 +35,7 @@ class StepRunner:
         self.clip_grad_norm = train.clip_grad_norm
         self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
-        self._autocast = lambda: autocast(train.autocast_dtype, session.device)
+        self._autocast = session.autocast  # train.autocast_dtype, asked of the session (loop_keys.py)
 
     def run(self, batches: list[Any]) -> None:
         session, sync, optimizer, scaler = self.session, self.session.grad_sync, self.optimizer, self.scaler

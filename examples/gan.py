@@ -43,7 +43,6 @@ def mlp(inputs: int, outputs: int, hidden: int = 32) -> nn.Module:
 
 def main(overrides: list[str]) -> None:
     with Session(CONFIG, overrides) as session:
-        torch.manual_seed(session.cfg.run.seed)  # the same initial weights on every rank and every attempt
         generator, discriminator = mlp(NOISE, 2), mlp(2, 1)
         opt_g = torch.optim.Adam(generator.parameters(), lr=1e-3, betas=(0.5, 0.999))
         opt_d = torch.optim.Adam(discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999))

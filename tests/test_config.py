@@ -166,3 +166,34 @@ def test_every_duration_key_is_in_seconds_and_ends_in_s():
     assert "snapshot.local.every_s" in durations and "watchdog.hang_timeout_s" in durations
     assert [key for key in durations if not key.endswith("_s")] == []
     assert [key for key, _ in _leaves(Config) if any(word in key for word in ("second", "_ms", "minute", "hour"))] == []
+
+
+def _number_keys():
+    """Every numeric key of the schema (int or float, alone, in a union without bool, or a list of them)."""
+    from elastictrain.config import number_kind
+    return {key: number_kind(field.annotation) for key, field in _leaves(Config) if number_kind(field.annotation)}
+
+
+def test_the_numeric_keys_come_from_the_schema():
+    keys = _number_keys()
+    assert keys["train.batch_size"] == "number" and keys["anomaly.skip_samples"] == "list"
+    assert keys["snapshot.local.every_s"] == "number"  # a float or 'auto'
+    assert "anomaly.check_gradients" not in keys and "dist.distributed" not in keys  # bool or 'auto': true is meant
+    assert len(keys) > 30
+
+
+@pytest.mark.parametrize("key", sorted(_number_keys()))
+def test_no_numeric_key_takes_a_boolean(key):
+    """train.batch_size=true once trained with batch size 1: a boolean is refused in one line naming the key."""
+    value = "[true]" if _number_keys()[key] == "list" else "true"
+    # YAML reads a bare `off` as false: for the thread count, false is `off` (the test below).
+    for given in (value,) if key == "train.intra_op_threads" else (value, value.replace("true", "false")):
+        with pytest.raises(ConfigError) as caught:
+            load_config(None, [f"{key}={given}"])
+        message = str(caught.value)
+        assert f"'{key}' = " in message and "a boolean where a number is meant" in message and "\n" not in message
+
+
+def test_yaml_off_still_turns_the_thread_count_off_and_booleans_stay_booleans():
+    cfg = load_config(None, ["train.intra_op_threads=off", "dist.distributed=false", "anomaly.check_gradients=true"])
+    assert cfg.train.intra_op_threads == "off" and cfg.dist.distributed is False and cfg.anomaly.check_gradients is True

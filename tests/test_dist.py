@@ -137,3 +137,23 @@ def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it
     # torchrun's default --rdzv-id is every such job's: there the token is drawn once per store.
     store = tdist.HashStore()
     assert token("none", store) == token("none", store) != token("none", tdist.HashStore())
+
+
+@pytest.mark.parametrize("url, max_restarts, refused", [
+    ("memory://run/snapshots", 3, True),
+    ("simplecache::memory://run", 1, True),
+    ("MEMORY://run", 1, True),
+    ("memory://run/snapshots", 0, False),  # nothing restarts these processes
+    ("/shared/run/snapshots", 3, False),
+    ("s3://bucket/run", 3, False),
+    ("file:///tmp/memory://x", 3, False),  # a path, not the memory filesystem
+])
+def test_a_store_inside_the_process_is_refused_when_restarts_are_new_processes(url, max_restarts, refused):
+    from elastictrain.launch_env import store_lost_on_restart
+
+    env = detect_launch_env({**TORCHRUN, "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)})
+    assert env.max_restarts == max_restarts
+    problem = store_lost_on_restart(url, env)
+    assert (problem is not None) == refused
+    if refused:
+        assert problem.startswith(f"snapshot.durable.url={url} lives in this process's memory") and "\n" not in problem

@@ -114,6 +114,9 @@ def test_an_unbroken_run_of_each_example_trains_every_step_with_its_state_in_the
         # The custom metric, reduced across ranks: every log line carries it.
         logged = re.findall(r"INFO step (\d+) epoch \d+ train_accuracy=(\S+) train_loss=", result.output)
         assert logged and logged[-1][0] == str(EXAMPLES[example].steps) and float(logged[-1][1]) > 0.5, logged
+        # The guide's whole loop: its EMA is in the snapshots, and restore() found nothing left unregistered.
+        assert weights["ema.n_averaged"].item() > 0 and "model.0.weight" in weights
+        assert "no registered optimizer" not in result.output and "that is not registered" not in result.output
     if example == "tutorial_trainer":
         assert "layer1.1.running_mean" in weights  # BatchNorm's buffers travel too
 

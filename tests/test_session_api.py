@@ -106,14 +106,15 @@ def test_restore_without_a_model_is_one_line(tmp_path, capsys):
     assert misuse(capsys, config(tmp_path), body).startswith("session.restore() with no model registered")
 
 
-def custom_loop(cfg: dict, fail_in_step: int | None = None) -> Session:
+def custom_loop(cfg: dict, fail_in_step: int | None = None, left_out: tuple[str, ...] = ()) -> Session:
     """A loop of one's own: noise from torch's RNG on the inputs, Adam, a scheduler stepped per step."""
     with Session(cfg) as session:
         model = mlp()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
         wrapped = session.wrap(model)
-        session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        session.register(**{name: value for name, value in state.items() if name not in left_out})
         loader = session.loader(points())
         session.restore()
         for _epoch in session.epochs():
@@ -139,3 +140,65 @@ def test_a_custom_loop_killed_by_an_exception_resumes_bitwise_equal_to_an_unbrok
     assert resumed.state.run_log.attempts[-1]["start_step"] == 8  # the newest snapshot before the failure
     assert resumed.summary.attempts == 2 and resumed.summary.global_step == unbroken.global_step
     assert resumed.summary.params_sha256 == unbroken.params_sha256
+
+
+def test_a_store_in_memory_under_torchrun_with_restarts_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Each torchrun restart is a new process: memory:// snapshots would be gone, every restart a fresh start."""
+    from elastictrain.errors import ConfigError
+    from tests.helpers.agents import free_port
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "memory-store", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0",
+                "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "TORCHELASTIC_MAX_RESTARTS": "3"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    cfg = config(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        with Session(cfg):
+            pass
+    message = str(raised.value)
+    assert message.startswith(f"snapshot.durable.url={cfg['snapshot']['durable']['url']} lives in this process's "
+                              "memory, and torchrun restarts the workers as new processes (--max-restarts=3)")
+    assert "\n" not in message and "Traceback" not in capsys.readouterr().err
+
+
+def test_setup_seeds_every_generator_from_run_seed_whatever_came_before(tmp_path):
+    """A loop builds its models inside the session: their initial weights are run.seed's on every rank and launch."""
+    import random
+
+    import numpy as np
+
+    def first_draws(seed: int, before: int) -> tuple:
+        random.seed(before), np.random.seed(before), torch.manual_seed(before)  # the process's state on entry
+        cfg = config(tmp_path)
+        cfg["run"]["seed"] = seed
+        with Session(cfg) as session:
+            draws = (random.random(), float(np.random.rand()), torch.rand(3).tolist(), mlp_unseeded().state_dict())
+            session.register(model=nn.Linear(1, 1))  # a session left before restore: a warning, no error
+        return draws
+
+    def mlp_unseeded():
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    a, b, other = first_draws(7, before=1), first_draws(7, before=2), first_draws(8, before=1)
+    assert a[:3] == b[:3] and a[:3] != other[:3]
+    assert all(torch.equal(a[3][k], b[3][k]) for k in a[3]) and not torch.equal(a[3]["0.weight"], other[3]["0.weight"])
+    torch.manual_seed(7)
+    assert a[2] == torch.rand(3).tolist()  # torch.manual_seed(run.seed) itself: the Trainer's model init
+
+
+@pytest.mark.parametrize("left_out, warning", [
+    ((), None),
+    (("scheduler",), "WARNING optimizer 'optimizer' is driven by a StepLR that is not registered; "
+                     "session.register(lr_scheduler=...) it before restore(), or a resume restarts the schedule"),
+    (("optimizer", "scheduler"), "WARNING model 'model': 4 of its 4 trainable parameters are in no registered "
+                                 "optimizer (an unregistered Adam holds them);"),
+])
+def test_state_left_unregistered_is_one_warning_line_at_restore(tmp_path, capsys, left_out, warning):
+    """A resume would silently lose it (an unbroken run never shows it): restore() says so, once, before training."""
+    custom_loop(config(tmp_path, max_epochs=1), left_out=left_out)
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "not registered" in line or "no registered optimizer" in line]
+    assert said == ([] if warning is None else [said[0]]) and (warning is None or warning in said[0]), err
+    if warning:
+        assert err.index(warning) < err.index("state RESTORE -> TRAIN")
