@@ -1,4 +1,4 @@
-"""Collectives over the process group, each a no-op on one worker: sums, gathers and broadcasts."""
+"""Collectives over the process group, each a no-op on one worker: sums, any-rank flags, gathers and broadcasts."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     on_device = values.to(ctx.device)
     dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
     return on_device.cpu()
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is true on any rank: a 1-element all-reduce (MAX), the same answer on every rank."""
+    if not ctx.distributed:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def gather_to_main(obj: Any, ctx: DistContext, group: Any = None) -> list[Any] | None:
