@@ -45,7 +45,7 @@ from .config import AnomalyConfig
 from .dist import DistContext
 from .errors import AnomalyError
 from .fsdp import full_value
-from .update_check import UpdateDecision, agree, decide_update, finding_of
+from .update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
 from .vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
@@ -179,6 +179,7 @@ class Anomalies:
         self.replay_origin: Verdict | None = None  # what was seen the first time, for the transient line
         self._index = 0  # which gradients_ok call of the step
         self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
+        self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
         self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
         self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
         self.events: Any = None
@@ -200,9 +201,12 @@ class Anomalies:
         self.loss(loss, step)
         spike = norm is not None and math.isfinite(norm) and self.stats.is_spike(
             index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
-        own_loss = self._own_loss[1] if self._own_loss is not None and self._own_loss[0] == step else None
-        finding = finding_of(norm, spike, own_loss, self.host)
-        decision = decide_update(agree(finding, self.ctx))
+        finding = finding_of(norm, spike, self._own_loss_of(step), self.host)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
+            decision = decide_update(ahead[1]())
+        else:
+            decision = decide_update(agree(finding, self.ctx))
         if decision.take:
             if norm is not None:
                 self.stats.update(index, norm, self.cfg.spike_window_steps)
@@ -214,6 +218,15 @@ class Anomalies:
             # Only the ranks that saw it raise it: the others hold their update, and the vote brings the rollback.
             self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
         return False
+
+    def agree_ahead(self, step: int) -> None:
+        """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
+        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
+        if self.active and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
+            self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
+
+    def _own_loss_of(self, step: int) -> float | None:
+        return self._own_loss[1] if self._own_loss is not None and self._own_loss[0] == step else None
 
     def loss(self, value: Any, step: int) -> None:
         """A rank's own loss of ``step`` (None: not logged): a non-finite one holds the step's update (every rank's,
@@ -331,6 +344,7 @@ class Anomalies:
         """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
         replayed step's global samples (a data verdict); ``rank_batch``: each rank's share of a micro-batch."""
         self.pending, self._skipped_now, self._replayed_samples, self._own_loss = None, None, None, None
+        self._ahead = None
         self._index = 0
         entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
                  "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step,

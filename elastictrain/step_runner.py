@@ -33,6 +33,7 @@ class StepRunner:
         self.session, self.model, self.optimizer = session, model, optimizer
         self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
         self.clip_grad_norm = train.clip_grad_norm
+        self.reads_no_norm = self.clip_grad_norm is None and not session.anomalies.check_gradients
         self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
         self._autocast = lambda: autocast(train.autocast_dtype, session.device)
@@ -50,6 +51,8 @@ class StepRunner:
                     # all-reduce is what lets the peers finish the step, so a rank that dies anywhere from
                     # here on leaves a slot naming the step they reach (survivor.py).
                     session.rank_state_final()
+                    if self.reads_no_norm:  # the losses are all logged: agree on them during the backward
+                        session.anomalies.agree_ahead(step + 1)
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sync.finish(accum)  # every rank holds the step's gradients

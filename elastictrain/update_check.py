@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .collectives import all_gather, any_rank
+from typing import Callable
+
+from .collectives import all_gather, any_rank, any_rank_start
 from .dist import DistContext
 
 # What a decision reports first when ranks saw different things: the norm of the all-reduced gradients is
@@ -77,4 +79,13 @@ def agree(finding: Finding | None, ctx: DistContext | None) -> list[Finding | No
     return all_gather(finding, ctx)
 
 
-__all__ = ["Finding", "UpdateDecision", "agree", "decide_update", "finding_of"]
+def agree_ahead(finding: Finding | None, ctx: DistContext | None) -> Callable[[], list[Finding | None]]:
+    """``agree`` with its all-reduce started now (overlapped with a backward, when this rank's finding is known
+    before it: its own loss); the returned function waits for it and gives every rank's finding."""
+    if ctx is None or not ctx.distributed:
+        return lambda: [finding]
+    anyone = any_rank_start(finding is not None, ctx)
+    return lambda: all_gather(finding, ctx) if anyone() else [None] * ctx.world_size
+
+
+__all__ = ["Finding", "UpdateDecision", "agree", "agree_ahead", "decide_update", "finding_of"]
