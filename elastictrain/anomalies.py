@@ -10,8 +10,9 @@ rank's update. A non-finite loss also names the rank a NaN came from before the 
 ``anomaly.policy``:
 
 - ``skip``: the optimizer step is not taken on any rank (the gradients are dropped), one line
-  naming the ranks that saw it, and the step's global sample indices are recorded in the snapshot's anomaly log. Forward passes have
-  run: buffers they update (BatchNorm statistics) keep what the step's forward put there.
+  naming the ranks that saw it, and the step's global sample indices are recorded in the
+  snapshot's anomaly log. Forward passes have run: buffers they update (BatchNorm statistics)
+  keep what the step's forward put there.
 - ``rollback`` (the default): this rank skips the update too and raises a request the vote
   makes every rank's; at the agreed step every rank enters ROLLBACK, restores the newest
   snapshot in-process (the fast tier first) and replays bitwise. A fast copy of the step before
