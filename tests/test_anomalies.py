@@ -340,3 +340,33 @@ def test_gradients_ok_clips_to_train_clip_grad_norm_bitwise_as_clip_grad_norm_do
     assert clipped_loop(tmp_path, "skip", clip_in_config=True, clip_by_hand=False) == by_hand  # the norm checked too
     assert clipped_loop(tmp_path, "off", clip_in_config=True, clip_by_hand=False) == by_hand  # whatever the checks
     assert clipped_loop(tmp_path, "rollback", clip_in_config=False, clip_by_hand=False) != by_hand, "0.05 clips"
+
+
+def test_a_scaler_told_of_another_ranks_overflow_ends_as_one_that_saw_it():
+    # StepRunner under a GradScaler: a rank whose gradients were finite while another rank's were not (a fault
+    # after the all-reduce) must skip and back off as that rank's scaler does, or the replicas and scales part.
+    from elastictrain.step_runner import backed_off
+
+    def scaler_after(gradient: float) -> tuple[dict, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+        for step in range(3):  # two finite steps counted towards growth, then the step in question
+            scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            if step == 2:
+                model.weight.grad[0, 0] = gradient
+            scaler.unscale_(optimizer)
+            if step == 2 and gradient != INF:
+                backed_off(scaler)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.unscale_(optimizer)  # the next step's unscale_ is allowed: the skipped one was forgotten
+        return scaler.state_dict(), model.weight.detach().clone()
+
+    saw_it, told = scaler_after(INF), scaler_after(1.0)
+    assert told[0] == saw_it[0] and saw_it[0]["scale"] == 2.0 ** 7 and saw_it[0]["_growth_tracker"] == 0
+    assert torch.equal(told[1], saw_it[1]), "neither took the update"
