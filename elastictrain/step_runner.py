@@ -73,7 +73,6 @@ class StepRunner:
             any_rank(not math.isfinite(checked), session.ctx)
         if overflow and math.isfinite(checked):
             backed_off(scaler)
-            optimizer.zero_grad(set_to_none=True)
         elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank
             optimizer.zero_grad(set_to_none=True)  # the update is not taken: an anomaly, or a listed step
             if scaler is not None:
@@ -87,7 +86,7 @@ class StepRunner:
                 scaler.update()
             else:
                 optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None and self.per_step_scheduler:
             self.lr_scheduler.step()
 
