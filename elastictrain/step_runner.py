@@ -4,8 +4,10 @@
 ``model(batch)`` (the module ``session.wrap(model, loss_fn)`` returned: its forward is the loss,
 inside DDP's forward), each under the gradient sync's context (DDP's ``no_sync`` for all but the
 last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-batch's loss and
-metrics to the session, and steps the optimizer. It tells the session when its per-rank state is
-final, before the last backward, so that survivor copies name the step this one completes.
+metrics to the session, and steps the optimizer unless ``session.gradients_ok`` (agreed by every
+rank) says not to. It tells the session when its per-rank state is final, before the last
+backward, so that survivor copies name the step this one completes; reading no gradient norm,
+it starts the ranks' agreement on their losses there too, overlapped with the backward.
 ``Trainer`` uses it; a custom loop with one optimizer may too. Call ``session.step()`` after ``run``.
 """
 
