@@ -1,17 +1,18 @@
 """Self-healing: a non-finite or spiking step is skipped, or rolled back and replayed to tell data from fault.
 
-What is checked, on every rank, before each optimizer step: the global gradient norm
-(``session.gradients_ok()``; ``StepRunner`` calls it). After the gradient all-reduce every rank
-holds the same gradients, so every rank computes the same norm and takes the same decision at
-the same step with no collective. The loss each rank logs (``loss=``) is checked too: a rank's
-own number, so a non-finite loss only rides the vote (rollback mode), and it names the rank a
-NaN came from before the all-reduce spread it.
+What is checked, on every rank, before each optimizer step (``session.gradients_ok()``;
+``StepRunner`` calls it): the global gradient norm, where it is read, and the rank's own loss of
+the step (``gradients_ok(loss=)``, or logged before it). Each rank's finding is made every rank's
+(update_check.py: a 1-element all-reduce), so every rank takes the same decision at the same step:
+a fault in one rank's gradients after the all-reduce, or one rank's non-finite loss, holds every
+rank's update. A non-finite loss also names the rank a NaN came from before the all-reduce spread it.
 
 ``anomaly.policy``:
 
-- ``skip``: the optimizer step is not taken (the gradients are dropped), one line, and the
-  step's global sample indices are recorded in the snapshot's anomaly log. Forward passes have
-  run: buffers they update (BatchNorm statistics) keep what the step's forward put there.
+- ``skip``: the optimizer step is not taken on any rank (the gradients are dropped), one line
+  naming the ranks that saw it, and the step's global sample indices are recorded in the
+  snapshot's anomaly log. Forward passes have run: buffers they update (BatchNorm statistics)
+  keep what the step's forward put there.
 - ``rollback`` (the default): this rank skips the update too and raises a request the vote
   makes every rank's; at the agreed step every rank enters ROLLBACK, restores the newest
   snapshot in-process (the fast tier first) and replays bitwise. A fast copy of the step before
@@ -44,6 +45,8 @@ from .collectives import all_gather
 from .config import AnomalyConfig
 from .dist import DistContext
 from .errors import AnomalyError
+from .fsdp import full_value
+from .update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
 from .vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
@@ -176,6 +179,8 @@ class Anomalies:
         self.replaying: int | None = None  # the anomalous step a replay is heading for
         self.replay_origin: Verdict | None = None  # what was seen the first time, for the transient line
         self._index = 0  # which gradients_ok call of the step
+        self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
+        self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
         self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
         self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
         self.events: Any = None
@@ -186,32 +191,55 @@ class Anomalies:
 
     # -- the checks (every step) ---------------------------------------------------------------
 
-    def gradients_ok(self, norm: float | None, step: int) -> bool:
-        """Before the optimizer step of ``step`` (1-based): True to take it. ``norm`` None: not read this step."""
+    def gradients_ok(self, norm: float | None, step: int, loss: Any = None) -> bool:
+        """Before the optimizer step of ``step`` (1-based): True to take it, the same on every rank (agreed: a
+        collective every rank makes). ``norm`` None: not read this step; ``loss``: this rank's loss of the step."""
         index, self._index = self._index, self._index + 1
         if step in self.record.skipped_steps:
-            return False  # listed: this step's update was found to come from its data
+            return False  # listed (the same list on every rank): this step's update was found to come from its data
         if not self.active:
             return True
-        if norm is None:  # this rank's own loss may have said it already: its update waits for the rollback
-            return self.pending is None or self.pending.step != step
-        spike = math.isfinite(norm) and self.stats.is_spike(index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
-        if math.isfinite(norm) and not spike:
-            self.stats.update(index, norm, self.cfg.spike_window_steps)
+        self.loss(loss, step)
+        spike = norm is not None and math.isfinite(norm) and self.stats.is_spike(
+            index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
+        finding = finding_of(norm, spike, self._own_loss_of(step), self.host)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
+            decision = decide_update(ahead[1]())
+        else:
+            decision = decide_update(agree(finding, self.ctx))
+        if decision.take:
+            if norm is not None:
+                self.stats.update(index, norm, self.cfg.spike_window_steps)
             return True
         if self.cfg.policy == "skip":
-            self._skip(step, norm, spike)
-        elif self.pending is None or (self.pending.step == step and self.pending.kind == "loss"):
-            own_loss = self.pending is not None  # the loss was logged first (StepRunner)
-            self.pending = Sighting(step, norm, "gradient norm", self.host, spike, own_loss)
+            self._skip(step, decision)
+        elif finding is not None and finding.kind == "gradient norm" and (
+                self.pending is None or (self.pending.step == step and self.pending.kind == "loss")):
+            # Only the ranks that saw it raise it: the others hold their update, and the vote brings the rollback.
+            self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
         return False
 
+    def agree_ahead(self, step: int) -> None:
+        """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
+        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
+        if self.active and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
+            self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
+
+    def _own_loss_of(self, step: int) -> float | None:
+        return self._own_loss[1] if self._own_loss is not None and self._own_loss[0] == step else None
+
     def loss(self, value: Any, step: int) -> None:
-        """A rank's own loss of ``step`` (None: not logged): a non-finite one is raised for the vote (rollback mode)."""
-        if value is None or self.cfg.policy != "rollback" or step in self.record.skipped_steps:
+        """A rank's own loss of ``step`` (None: not logged): a non-finite one holds the step's update (every rank's,
+        agreed in ``gradients_ok``) and, in rollback mode, is raised for the vote."""
+        if value is None or not self.active or step in self.record.skipped_steps:
             return
         number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if math.isfinite(number):
+            return
+        if self._own_loss is None or self._own_loss[0] != step:
+            self._own_loss = (step, number)
+        if self.cfg.policy != "rollback":
             return
         if self.pending is None:
             self.pending = Sighting(step, number, "loss", self.host, own_loss=True)
@@ -240,14 +268,21 @@ class Anomalies:
         if self.replaying == step:
             self._replayed_samples = samples()
 
-    def _skip(self, step: int, norm: float, spike: bool) -> None:
+    def _skip(self, step: int, decision: UpdateDecision) -> None:
         if self._skipped_now is None:  # the first check of the step that failed names it
-            self._skipped_now = {"step": step, "value": norm, "kind": "gradient norm", "spike": spike, "decision": "skip"}
+            found = decision.found
+            self._skipped_now = {"step": step, "value": found.value, "kind": found.kind, "spike": found.spike,
+                                 "decision": "skip", "ranks": list(decision.ranks), "hosts": list(decision.hosts),
+                                 "origin": list(decision.origin)}
 
     def _say_skip(self, entry: dict[str, Any]) -> None:
         if self.ctx is not None and self.ctx.is_main:
-            log.warning("anomaly at step %d: %s; the optimizer step was skipped (anomaly.policy=skip), its %d samples "
-                        "recorded (%s)", entry["step"], _what(entry["kind"], entry["value"], entry["spike"], self.cfg),
+            hosts = dict(zip(entry["ranks"], entry["hosts"]))
+            seen = where(entry["kind"], entry["ranks"], entry["origin"],
+                         [hosts.get(r) for r in range(self.ctx.world_size)], self.ctx.world_size)
+            log.warning("anomaly at step %d: %s%s; the optimizer step was skipped on every rank (anomaly.policy=skip), "
+                        "its %d samples recorded (%s)", entry["step"],
+                        _what(entry["kind"], entry["value"], entry["spike"], self.cfg), seen,
                         len(entry["samples"]), _shown(entry["samples"]))
         self._emit(entry)
 
@@ -309,7 +344,8 @@ class Anomalies:
     def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
         """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
         replayed step's global samples (a data verdict); ``rank_batch``: each rank's share of a micro-batch."""
-        self.pending, self._skipped_now, self._replayed_samples = None, None, None
+        self.pending, self._skipped_now, self._replayed_samples, self._own_loss = None, None, None, None
+        self._ahead = None
         self._index = 0
         entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
                  "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step,
@@ -353,20 +389,33 @@ class Anomalies:
 
     def _where(self, verdict: Verdict) -> str:
         world = self.ctx.world_size if self.ctx is not None else 1
-        if world == 1:
-            return ""
-        if verdict.kind != "gradient norm":  # a rank's own loss or weights
-            return f" on rank(s) {_ranks(verdict.ranks, self._hosts(verdict.ranks))}"
-        if len(verdict.ranks) == world:
-            if verdict.origin and len(verdict.origin) < world:
-                return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
-                        f"{_ranks(verdict.origin, self._hosts(verdict.origin))}")
-            return " on every rank (after the gradient all-reduce its origin cannot be told)"
-        return f" on rank(s) {_ranks(verdict.ranks, self._hosts(verdict.ranks))} only"
+        return where(verdict.kind, verdict.ranks, verdict.origin, getattr(self, "_hosts_by_rank", None) or [], world)
 
     def _emit(self, entry: dict[str, Any]) -> None:
         if self.events is not None:
             self.events.anomaly(dict(entry))
+
+
+def where(kind: str, ranks: Iterable[int], origin: Iterable[int], hosts: list[str | None], world_size: int) -> str:
+    """Where an anomaly was seen, for its line: the ranks (and hosts) to suspect. ``ranks``: those that saw
+    something at its step; ``origin``: those whose own loss was non-finite; ``hosts``: each rank's, by rank."""
+    ranks, origin = list(ranks), list(origin)
+
+    def named(which: list[int]) -> str:
+        return _ranks(which, [hosts[r] for r in which if r < len(hosts) and hosts[r] is not None])
+
+    if world_size == 1:
+        return ""
+    if kind == "loss":  # a rank's own number: the ranks it was non-finite on, not those its NaN reached through
+        return f" on rank(s) {named(origin or ranks)}"  # the all-reduce (their weights, checked before a snapshot)
+    if kind != "gradient norm":  # the weights
+        return f" on rank(s) {named(ranks)}"
+    if len(ranks) == world_size:
+        if origin and len(origin) < world_size:
+            return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
+                    f"{named(origin)}")
+        return " on every rank (after the gradient all-reduce its origin cannot be told)"
+    return f" on rank(s) {named(ranks)} only"
 
 
 def of_ranks(samples: list[int], ranks: tuple[int, ...], world_size: int, rank_batch: int) -> list[int]:
@@ -383,6 +432,12 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     than the norm itself for a small model; its result is what clipping uses, so with clipping on the loop
     checks that one instead (step_runner.py)."""
     return norm_of([p.grad for p in parameters if p.grad is not None])
+
+
+def clipping_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of the gradients as ``clip_grad_norm_`` computes it (its first half, FSDP's shards as
+    one), a tensor to hand to ``torch.nn.utils.clip_grads_with_norm_`` (its second half): one norm, read once."""
+    return full_value(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0))
 
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
@@ -416,4 +471,5 @@ def _shown(samples: list[int]) -> str:
     return f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
 
 
-__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "grad_norm", "judge"]
+__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "clipping_norm", "grad_norm", "judge",
+           "where"]

@@ -1,9 +1,9 @@
-"""Collectives over the process group, each a no-op on one worker: sums, gathers and broadcasts."""
+"""Collectives over the process group, each a no-op on one worker: sums, any-rank flags, gathers and broadcasts."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,30 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     on_device = values.to(ctx.device)
     dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
     return on_device.cpu()
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is true on any rank: a 1-element all-reduce (MAX), the same answer on every rank."""
+    if not ctx.distributed:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def any_rank_start(flag: bool, ctx: DistContext) -> Callable[[], bool]:
+    """``any_rank`` started now, to overlap with other work (its order among the collectives is this call's);
+    the returned function waits for it and gives the answer."""
+    if not ctx.distributed:
+        return lambda: flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+
+    def answer() -> bool:
+        work.wait()
+        return bool(value.item())
+
+    return answer
 
 
 def gather_to_main(obj: Any, ctx: DistContext, group: Any = None) -> list[Any] | None:

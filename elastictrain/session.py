@@ -26,11 +26,12 @@ import logging
 import time
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import ddp, dist, failpoints, fsdp, launch_env
-from .anomalies import grad_norm
+from .anomalies import clipping_norm, grad_norm
 from .collectives import broadcast_from_main
 from .config import Config, load_config
 from .data import Shard
@@ -277,22 +278,28 @@ class Session:
         self.anomalies.loss(values.get("loss"), self.global_step + 1)
         self.metrics.add(samples, values)
 
-    def gradients_ok(self, parameters: Any = None, *, norm: float | None = None) -> bool:
-        """Before an optimizer step, the gradients in place: False when this step's update must not be taken (its
-        gradient norm is non-finite or spikes, anomaly.*; or the step is on the skip list). Every rank gets the
-        same answer from the all-reduced gradients. ``parameters``: a module or parameters (default: every
-        registered model's); ``norm``: their global gradient norm, if computed already (clipping)."""
+    def gradients_ok(self, parameters: Any = None, *, loss: Any = None, norm: float | None = None) -> bool:
+        """Call after the backward, before ``optimizer.step()``: False when this step's update must not be taken
+        (this rank's ``loss`` of the step, or one logged before, is non-finite; the gradient norm is non-finite or
+        spikes, anomaly.*; or the step is on the skip list), and then on every rank: the ranks agree on it (one
+        1-element all-reduce), whatever each saw. With ``train.clip_grad_norm`` the gradients are clipped to it
+        here when the update is taken, from the one norm also checked (``clip_grad_norm_``'s two halves, as
+        ``Trainer`` clips; unscale a GradScaler's gradients first). ``parameters``: a module or parameters (default:
+        every registered model's); ``norm``: their global gradient norm, if computed already (then no clipping)."""
         self._training("gradients_ok")
         step = self.global_step + 1
-        if not self.anomalies.active and step not in self.state.anomalies.skipped_steps:
+        clip = self.cfg.train.clip_grad_norm if norm is None else None
+        if not self.anomalies.active and clip is None and step not in self.state.anomalies.skipped_steps:
             return True
-        if norm is None and self.anomalies.check_gradients:
-            if parameters is None:
-                parameters = self.model.parameters()
-            elif isinstance(parameters, nn.Module):
-                parameters = parameters.parameters()
-            norm = grad_norm(parameters)
-        return self.anomalies.gradients_ok(norm, step)
+        if norm is None and (clip is not None or self.anomalies.check_gradients):
+            parameters = self.model if parameters is None else parameters
+            parameters = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+            total = clipping_norm(parameters) if clip is not None else None
+            norm = float(total) if total is not None else grad_norm(parameters)
+        ok = self.anomalies.gradients_ok(norm, step, loss)
+        if ok and clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(parameters, clip, total)
+        return ok
 
     def rank_state_final(self) -> None:
         """For step runners, before a step's last backward: this rank's per-rank state (RNG, stream position,

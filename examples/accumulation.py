@@ -64,7 +64,7 @@ def main(overrides: list[str]) -> None:
                         (loss / len(batches)).backward()
                     accuracy = (logits.argmax(dim=1) == labels).float().mean()
                     session.log(len(labels), loss=loss.detach(), accuracy=accuracy)
-                if session.gradients_ok():  # the all-reduced gradient norm is finite (self-healing: anomaly.*)
+                if session.gradients_ok():  # the logged losses and the gradients pass (anomaly.*), alike on every rank
                     optimizer.step()
                     ema.update_parameters(model)
                 optimizer.zero_grad(set_to_none=True)

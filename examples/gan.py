@@ -63,13 +63,14 @@ def main(overrides: list[str]) -> None:
                 d_loss = bce(D(torch.cat([real, fake])), torch.cat([ones, zeros]))
                 opt_d.zero_grad(set_to_none=True)
                 d_loss.backward()
-                if session.gradients_ok(D):  # not when D's gradient norm is non-finite (self-healing: anomaly.*)
+                # Not when a rank's loss or D's gradient norm is non-finite (self-healing: anomaly.*), on every rank.
+                if session.gradients_ok(D, loss=d_loss.detach()):
                     opt_d.step()
                 # G step: fool D. D's gradients computed on the way are dropped by the next D step's zero_grad.
                 g_loss = bce(D(G(torch.randn(n, NOISE, device=session.device))), ones)
                 opt_g.zero_grad(set_to_none=True)
                 g_loss.backward()
-                if session.gradients_ok(G):
+                if session.gradients_ok(G, loss=g_loss.detach()):
                     opt_g.step()
                 session.step(d_loss=d_loss.detach(), g_loss=g_loss.detach())
 

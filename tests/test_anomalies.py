@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks
+from elastictrain.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks, where
 from elastictrain.data import Shard, ShardedBatchSampler, epoch_order
 from elastictrain.errors import AnomalyError
 from elastictrain.session import Session
+from elastictrain.update_check import Finding, decide_update, finding_of
 
 NAN, INF = float("nan"), float("inf")
 
@@ -59,6 +60,57 @@ def test_judge(sightings, replaying, rollbacks, expected):
 def test_judge_prefers_the_agreed_gradient_norm_to_a_ranks_own_loss():
     verdict = judge([seen(5, 3.0, "loss", True), seen(5, 123.0)], None, 0, 4)
     assert (verdict.kind, verdict.value) == ("gradient norm", 123.0)
+
+
+def test_a_loss_anomaly_names_the_ranks_whose_loss_was_non_finite_not_those_its_nan_reached():
+    # Rank 0's loss was NaN at a snapshot step; the all-reduce carried it into rank 1's weights, which the check
+    # before the snapshot saw. The line must name rank 0 alone: operators replace a host named twice.
+    verdict = judge([seen(10, NAN, "loss", own_loss=True), seen(10, NAN, "weights")], None, 0, budget=4)
+    assert (verdict.kind, verdict.ranks, verdict.origin) == ("loss", (0, 1), (0,))
+    assert where(verdict.kind, verdict.ranks, verdict.origin, ["node-a", "node-b"], 2) == " on rank(s) 0 (host node-a)"
+    assert where("loss", (1,), (1,), ["node-a", "node-b"], 2) == " on rank(s) 1 (host node-b)"
+    assert where("weights", (0, 1), (), ["node-a", "node-a"], 2) == " on rank(s) 0, 1 (host node-a)"
+    assert where("gradient norm", (1,), (), ["node-a", "node-b"], 2) == " on rank(s) 1 (host node-b) only"
+    assert where("loss", (0,), (0,), ["node-a"], 1) == ""
+
+
+GRAD_INF, LOSS_NAN = Finding("gradient norm", INF, host="b"), Finding("loss", NAN, own_loss=True, host="a")
+
+
+@pytest.mark.parametrize(
+    "norm, spike, loss, expected",
+    [
+        (None, False, None, None),  # nothing read, no loss: nothing to find
+        (1.5, False, 2.0, None),
+        (INF, False, None, ("gradient norm", False, False)),
+        (NAN, False, 2.0, ("gradient norm", False, False)),
+        (9.0, True, None, ("gradient norm", True, False)),  # a finite spike
+        (None, False, NAN, ("loss", False, True)),  # the norm not read: this rank's own loss still counts
+        (1.5, False, INF, ("loss", False, True)),
+        (NAN, False, NAN, ("gradient norm", False, True)),  # the norm first, its origin kept
+    ],
+)
+def test_finding_of(norm, spike, loss, expected):
+    found = finding_of(norm, spike, loss)
+    assert (found if found is None else (found.kind, found.spike, found.own_loss)) == expected
+
+
+@pytest.mark.parametrize(
+    "findings, expected",
+    [
+        ([None, None], (True, (), None, ())),
+        # a fault in rank 1's gradients after the all-reduce: rank 0 saw nothing, and holds its update too
+        ([None, GRAD_INF], (False, (1,), "gradient norm", ())),
+        # rank 0's own loss was NaN, the norm not read: every rank holds its update
+        ([LOSS_NAN, None], (False, (0,), "loss", (0,))),
+        # the norm is reported before a rank's loss; the loss names the origin
+        ([LOSS_NAN, GRAD_INF], (False, (0, 1), "gradient norm", (0,))),
+        ([None], (True, (), None, ())),
+    ],
+)
+def test_decide_update_is_the_same_on_every_rank_from_every_ranks_finding(findings, expected):
+    decision = decide_update(findings)
+    assert (decision.take, decision.ranks, decision.found and decision.found.kind, decision.origin) == expected
 
 
 def test_a_spike_is_judged_against_the_running_mean_after_warm_up_only():
@@ -224,7 +276,8 @@ def test_a_trainer_with_a_grad_scaler_skips_a_spike_and_its_scaler_goes_on(tmp_p
     assert scaler.get_scale() == 2.0 ** 4, "the skip leaves the scale (and its growth count) alone"
 
 
-def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list(tmp_path):
+@pytest.mark.parametrize("loss_to_check", [False, True])
+def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list(tmp_path, loss_to_check):
     cfg = config(tmp_path)
     cfg["train"]["max_steps"] = 12
     with Session(cfg) as session:  # an RL-like loop: each step's inputs come from its step number
@@ -241,7 +294,7 @@ def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list
                 inputs[0] = NAN
             loss = model(inputs).pow(2).mean()
             loss.backward()
-            if session.gradients_ok():
+            if session.gradients_ok(loss=loss.detach()) if loss_to_check else session.gradients_ok():
                 optimizer.step()
                 updates.append(step)
             optimizer.zero_grad()
@@ -249,7 +302,71 @@ def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list
     record = session.state.anomalies
     assert record.skipped_steps == {6} and not record.skipped_samples
     assert [(e["step"], e["decision"]) for e in record.entries] == [(6, "rollback"), (6, "data")]
-    # Its loss is read after the update: step 6's bad update is taken, then rolled back (twice: found, replayed);
-    # after the verdict the run goes on from step 5's copy and step 6 takes no update.
-    assert updates == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11, 12]
+    if loss_to_check:  # gradients_ok(loss=) sees the NaN loss before the update: step 6's is never taken
+        assert updates == [1, 2, 3, 4, 5, 5, 7, 8, 9, 10, 11, 12]
+    else:  # its loss is read after the update: step 6's bad update is taken, then rolled back (found, replayed)
+        assert updates == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11, 12]
+    # After the verdict the run goes on from step 5's copy and step 6 takes no update.
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def clipped_loop(tmp_path, policy: str, clip_in_config: bool, clip_by_hand: bool) -> str:
+    """custom_loop's model on SGD; ``train.clip_grad_norm`` for gradients_ok() to apply, or clip_grad_norm_ by hand."""
+    cfg = config(tmp_path, policy=policy)
+    cfg["train"]["clip_grad_norm"] = 0.05 if clip_in_config else None
+    with Session(cfg) as session:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(points())
+        session.restore()
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(model(inputs), labels)
+                loss.backward()
+                if clip_by_hand:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                if session.gradients_ok(loss=loss.detach()):
+                    optimizer.step()
+                optimizer.zero_grad()
+                session.step(loss=loss.detach())
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def test_gradients_ok_clips_to_train_clip_grad_norm_bitwise_as_clip_grad_norm_does(tmp_path):
+    by_hand = clipped_loop(tmp_path, "rollback", clip_in_config=False, clip_by_hand=True)
+    assert clipped_loop(tmp_path, "rollback", clip_in_config=True, clip_by_hand=False) == by_hand
+    assert clipped_loop(tmp_path, "skip", clip_in_config=True, clip_by_hand=False) == by_hand  # the norm checked too
+    assert clipped_loop(tmp_path, "off", clip_in_config=True, clip_by_hand=False) == by_hand  # whatever the checks
+    assert clipped_loop(tmp_path, "rollback", clip_in_config=False, clip_by_hand=False) != by_hand, "0.05 clips"
+
+
+def test_a_scaler_told_of_another_ranks_overflow_ends_as_one_that_saw_it():
+    # StepRunner under a GradScaler: a rank whose gradients were finite while another rank's were not (a fault
+    # after the all-reduce) must skip and back off as that rank's scaler does, or the replicas and scales part.
+    from elastictrain.step_runner import backed_off
+
+    def scaler_after(gradient: float) -> tuple[dict, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+        for step in range(3):  # two finite steps counted towards growth, then the step in question
+            scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            if step == 2:
+                model.weight.grad[0, 0] = gradient
+            scaler.unscale_(optimizer)
+            if step == 2 and gradient != INF:
+                backed_off(scaler)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.unscale_(optimizer)  # the next step's unscale_ is allowed: the skipped one was forgotten
+        return scaler.state_dict(), model.weight.detach().clone()
+
+    saw_it, told = scaler_after(INF), scaler_after(1.0)
+    assert told[0] == saw_it[0] and saw_it[0]["scale"] == 2.0 ** 7 and saw_it[0]["_growth_tracker"] == 0
+    assert torch.equal(told[1], saw_it[1]), "neither took the update"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,18 @@ def finished(job):
 
 def warnings(output: str) -> list[str]:
     return [line.split(" WARNING ", 1)[1] for line in output.splitlines() if " WARNING " in line and "straggler" not in line]
+
+
+def every_rank(output: str) -> dict[int, tuple[list[int], str]]:
+    """The custom loop's last line on each rank: the steps its ``gradients_ok`` held, and its parameters' hash."""
+    found = re.findall(r"^rank (\d+) held steps \[([\d, ]*)\] params_sha256=(\w+)$", output, re.MULTILINE)
+    return {int(rank): ([int(s) for s in held.split(",") if s.strip()], digest) for rank, held, digest in found}
+
+
+def summary_hashes(output: str) -> dict[int, str]:
+    """Each rank's run summary ``params_sha256`` (log.all_ranks=true: every rank logs its summary line)."""
+    return {int(rank): digest for rank, digest in re.findall(
+        r"\[elastictrain r(\d+) a\d+\] INFO run summary: .* params_sha256=(\w+)", output)}
 
 
 def shown(run_dir) -> dict:
@@ -173,6 +186,8 @@ def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
     poisoned = finished(loop_job(tmp_path / "poisoned", env={"HEAL_POISON": str(LOOP_POISON)}))
     said = warnings(poisoned.output)
     assert said[0].startswith("anomaly at step 8: loss nan on rank(s) 1 (host ") and "recurred on replay" in said[1], said
+    # gradients_ok(loss=) saw rank 1's NaN loss before the update, and both ranks held it (the step, then its replay).
+    assert {rank: held for rank, (held, _) in every_rank(poisoned.output).items()} == {0: [8, 8], 1: [8, 8]}
     assert poisoned.summary["params_sha256"] == results["skip-reference"].summary["params_sha256"]
     assert shown(tmp_path / "poisoned" / "run")["anomalies"]["skipped_samples"] == LOOP_SKIPPED
 
@@ -184,4 +199,30 @@ def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
     assert said[0].startswith("anomaly at step 7: gradient norm inf on rank(s) 1 (host ") and "replayed clean" in said[1], said
     assert "rolled back to step 6 from the node-local tier of node 0" in faulted.output, faulted.output[-4000:]
     assert faulted.summary["params_sha256"] == results["reference"].summary["params_sha256"]
+    assert every_rank(faulted.output) == {rank: ([7], results["reference"].summary["params_sha256"]) for rank in (0, 1)}
     assert results["reference"].summary["params_sha256"] != results["skip-reference"].summary["params_sha256"]
+
+
+def test_skip_on_a_fault_in_one_ranks_gradients_is_taken_by_every_rank_in_a_custom_loop_and_a_trainer(tmp_path):
+    # One gradient element set to inf after the all-reduce on one rank only: every rank must skip that step, or
+    # the replicas part for good (skip has no rollback to mend them) and the run exits 0 with a wrong model.
+    skip = ["anomaly.policy=skip"]
+    loop = loop_job(tmp_path / "loop", skip, env={"HEAL_FAULT": f"7:1:{tmp_path},12:0:{tmp_path}"})
+    trainer = run(tmp_path / "trainer", "job", [*skip, "train.max_epochs=1", "log.all_ranks=true"],
+                  env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}:{tmp_path}", "ELASTICTRAIN_FAULT_RANK": "1"})
+    looped = finished(loop)
+    ranks = every_rank(looped.output)
+    assert ranks.keys() == {0, 1} and ranks[0] == ranks[1] and ranks[0][0] == [7, 12], ranks
+    said = [line for line in warnings(looped.output) if line.startswith("anomaly at step")]
+    assert said[0].startswith("anomaly at step 7: gradient norm inf on rank(s) 1 (host "), said
+    assert said[1].startswith("anomaly at step 12: gradient norm inf on rank(s) 0 (host "), said
+    assert all(" only; the optimizer step was skipped on every rank (anomaly.policy=skip)" in line for line in said)
+    assert len(said) == 2, said
+    entries = shown(tmp_path / "loop" / "run")["anomalies"]["entries"]
+    assert [(e["step"], e["decision"], e["ranks"]) for e in entries] == [(7, "skip", [1]), (12, "skip", [0])]
+
+    trained = finished(trainer)
+    hashes = summary_hashes(trained.output)
+    assert hashes.keys() == {0, 1} and hashes[0] == hashes[1], hashes
+    said = [line for line in warnings(trained.output) if line.startswith("anomaly at step")]
+    assert len(said) == 1 and said[0].startswith(f"anomaly at step {FAULT_STEP}: gradient norm inf on rank(s) 1 ("), said

@@ -4,7 +4,9 @@
 
 ``HEAL_POISON=<index>`` makes that training sample NaN; ``HEAL_FAULT=<step>:<rank>:<dir>`` sets one gradient
 element to inf on that rank after the backward (after DDP's all-reduce) at that step, once per job (a marker
-in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on.
+in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on. Several faults:
+comma-separated. At the end each rank prints ``rank R held steps [...]``: the steps whose update
+``gradients_ok`` held on that rank (which must be every rank's) and its parameters' hash.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def blobs(samples: int = 512, poison: int = -1) -> TensorDataset:
 
 
 def main(overrides: list[str]) -> None:
-    fault = os.environ.get("HEAL_FAULT")
-    fault_step, fault_rank, marker = (int(fault.split(":")[0]), fault.split(":")[1],
-                                      Path(fault.split(":")[2]) / "fault.done") if fault else (-1, "", None)
+    faults = {}  # step -> (rank, marker)
+    for fault in filter(None, os.environ.get("HEAL_FAULT", "").split(",")):
+        step, rank, directory = fault.split(":")
+        faults[int(step)] = (rank, Path(directory) / f"fault-{step}.done")
+    held = []
     with Session(CONFIG, overrides) as session:
         torch.manual_seed(session.cfg.run.seed)
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
@@ -55,13 +59,17 @@ def main(overrides: list[str]) -> None:
                 loss = F.cross_entropy(ddp(inputs), labels)
                 loss.backward()
                 step = session.global_step + 1
-                if step == fault_step and str(session.rank) == fault_rank and not marker.exists():
+                rank, marker = faults.get(step, ("", None))
+                if str(session.rank) == rank and not marker.exists():
                     marker.write_text(str(step))
                     next(model.parameters()).grad.view(-1)[0] = float("inf")
-                if session.gradients_ok():
+                if session.gradients_ok(loss=loss.detach()):
                     optimizer.step()
+                else:
+                    held.append(step)
                 optimizer.zero_grad(set_to_none=True)
                 session.step(loss=loss.detach())
+    print(f"rank {session.rank} held steps {held} params_sha256={session.summary.params_sha256}", flush=True)
 
 
 if __name__ == "__main__":
