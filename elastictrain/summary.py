@@ -85,3 +85,7 @@ def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: 
         from .trackers.exactly_once import attach_trackers
 
         attach_trackers(cfg, events, run)
+    if cfg.track.mlflow_uri:  # rank 0 opens its tracker run in the background: its id reaches the others' snapshots later
+        from .trackers.ids import share_run_id
+
+        machine.on(dst=State.SNAPSHOT)(lambda *_: share_run_id(run.tracking, ctx))

@@ -1,4 +1,5 @@
-"""The tracker run ids an elastictrain run keeps in its snapshots (a Stateful of ``RunState``)."""
+"""What tracking keeps in the run's snapshots (a Stateful of ``RunState``): the tracker run ids, and the wall time of
+each history record the trackers may not have stored yet."""
 
 from __future__ import annotations
 
@@ -9,13 +10,47 @@ RUN_ID_KEY = "tracking/mlflow_run_id"  # in the launcher's store: for an attempt
 
 class TrackingIds:
     """The tracker run ids of this elastictrain run (MLflow's), saved in every snapshot: one tracker run across
-    attempts and relaunches."""
+    attempts and relaunches. And when each record not yet stored by every tracker was measured: a point carries its
+    own time, the same in every attempt that writes it (so a write sent twice is stored once)."""
 
     def __init__(self) -> None:
         self.mlflow_run_id = ""
+        self.times: dict[int, float] = {}  # step -> unix time its record was measured
+        self.shared = False  # every rank holds rank 0's run id (equal on all ranks: set from a broadcast's result)
+
+    def measured(self, step: int, wall_time_s: float) -> None:
+        self.times.setdefault(step, wall_time_s)  # an evaluation at a log step keeps the step's first time
+
+    def time_of(self, step: int, default: float) -> float:
+        return self.times.get(step, default)
+
+    def forget_times_after(self, step: int) -> None:
+        """A restore or rollback to ``step``: later records will be measured again."""
+        self.times = {s: t for s, t in self.times.items() if s <= step}
+
+    def forget_times_through(self, step: int) -> None:
+        """Every tracker stores the points up to ``step``."""
+        self.times = {s: t for s, t in self.times.items() if s > step}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mlflow_run_id": self.mlflow_run_id}
+        return {"mlflow_run_id": self.mlflow_run_id, "times": sorted(self.times.items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.mlflow_run_id = state_dict.get("mlflow_run_id", "") or self.mlflow_run_id
+        self.times = {int(step): float(t) for step, t in state_dict.get("times", [])}
+
+
+def share_run_id(ids: TrackingIds, ctx: Any) -> None:
+    """Give every rank's snapshots rank 0's tracker run id (a fast copy from any node resumes the same tracker run).
+
+    Called on every rank after the restore and at each snapshot until one broadcast carried an id: rank 0's tracker
+    thread creates the run in the background, so the first broadcasts may carry none.
+    """
+    if ids.shared:
+        return
+    from ..collectives import broadcast_from_main
+
+    run_id = broadcast_from_main(ids.mlflow_run_id, ctx)
+    if not ctx.is_main:  # rank 0's own id may have arrived from its tracker thread meanwhile
+        ids.mlflow_run_id = run_id
+    ids.shared = bool(run_id)
