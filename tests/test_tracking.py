@@ -205,6 +205,13 @@ def attempt(directory: Path, history: list[dict], restored_step: int, restart_co
     return tracking, run
 
 
+def wall_times(directory: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [event.wall_time for name in sorted(os.listdir(directory)) for event in EventFileLoader(str(directory / name)).Load()
+            for value in event.summary.value if value.tag == tag]
+
+
 def train(tracking: Tracking, run: RunState, steps: range, value) -> None:
     for step in steps:
         run.history.append(step=step, epoch=0, train_loss=value(step))
@@ -219,10 +226,14 @@ def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_wr
     first, run = attempt(directory, [], 0, 0)
     train(first, run, range(1, 9), lambda step: step / 10)
     first.snapshotted(SnapshotReport(step=4, committed=False, duration_s=0.0, error="store down"))
+    committed_unix = time.time()
     first.snapshotted(SnapshotReport(step=5, committed=True, duration_s=0.0, tier="local"))
     first.closed()  # SIGKILLed in step 9: steps 6 to 8 were never in a committed snapshot
     assert [(step, round(value, 6)) for _, step, value in tensorboard_points(directory)] == [
         (step, round(step / 10, 6)) for step in range(1, 6)]
+    # Each point with the time it was measured (trained), not the commit's or the write's.
+    times = wall_times(directory, "train_loss")
+    assert len(times) == 5 and times == sorted(set(times)) and times[-1] < committed_unix, (times, committed_unix)
 
     again, run = attempt(directory, run.history.records[:3], 3, 1)  # the copy of step 5 is lost: step 3's restores
     train(again, run, range(4, 11), lambda step: step / 100)  # another world size: other values
