@@ -58,7 +58,9 @@ class Tracking(Observer):
 
     def __init__(self, trackers: list[TrackerThread], run: "RunState", config: dict[str, Any]) -> None:
         self.trackers, self.run, self.config = trackers, run, config
-        self.written: dict[str, dict[str, int]] = {}  # backend -> name -> highest step stored (tracker threads only)
+        # The tracker threads' own: backend -> created now (config not yet logged); -> name -> highest step stored.
+        self.created: dict[str, bool] = {}
+        self.written: dict[str, dict[str, int]] = {}
         self.confirmed: dict[str, int] = {}  # backend -> the step its points are written through (tracker threads)
         self.store: Any = None
         self.cursor = 0  # history records before it are queued (or skipped)
@@ -107,9 +109,13 @@ class Tracking(Observer):
             tracker.close()
 
     def _start(self, backend: Backend, marker: tuple[int, int, str, float] | None) -> None:
+        """On the tracker's thread, retried until it succeeds: each part done once."""
+        if backend.name not in self.created:
+            self.created[backend.name] = backend.open(self.run.tracking, self.store)
+        if self.created[backend.name]:
+            backend.log_config(self.config)
+            self.created[backend.name] = False
         if backend.name not in self.written:
-            if backend.open(self.run.tracking, self.store):
-                backend.log_config(self.config)
             self.written[backend.name] = backend.written()
         if marker is not None:
             backend.mark_restart(*marker)
