@@ -27,7 +27,7 @@ _CLOSE = object()
 
 
 def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:300]
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
 
 
 class TrackerThread:
@@ -98,11 +98,12 @@ class TrackerThread:
         """``call(backend)`` until it succeeds (its result) or the thread is closing (None)."""
         pause_s = self._retry_first_s
         while True:
+            began = time.monotonic()
             try:
                 result = call(backend)
             except Exception as exc:  # the tracker's store, not training's: say so once per outage, retry
                 if self.down_since is None:
-                    self.down_since = time.monotonic()
+                    self.down_since = began  # a hung server: since the request that timed out was sent
                     log.warning("track: %s failed in %s (%s); training goes on, its points wait and are written when "
                                 "it answers (retried every %.0f s at most)", self.name, what, first_line(exc),
                                 self._retry_max_s)

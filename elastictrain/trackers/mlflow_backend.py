@@ -32,7 +32,8 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-CREATED_BY = "elastictrain.created_by"  # a tag naming the attempt that created a run: a create that timed out is found
+CREATED_BY = "elastictrain.created_by"  # a tag on the run: a create whose answer was lost is found, not made twice
+CREATOR_KEY = "tracking/mlflow_creator"  # in the launcher's store: the tag's value, the same for every attempt
 
 
 def check_installed(uri: str) -> None:
@@ -55,27 +56,40 @@ class MlflowBackend:
         self._creator = uuid.uuid4().hex
 
     def open(self, ids: TrackingIds, store: Any) -> bool:
-        run_id = ids.mlflow_run_id or self._from_store(store)
+        run_id = ids.mlflow_run_id or self._from_store(store, RUN_ID_KEY)
         created = not run_id
         if created:
             found = self.client.get_experiment_by_name(self.experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
-            # A retry after a timeout: the server may have created the run all the same.
-            mine = self.client.search_runs([experiment_id], f"tags.`{CREATED_BY}` = '{self._creator}'", max_results=1)
-            run_id = mine[0].info.run_id if mine else self.client.create_run(
-                experiment_id, run_name=self.run_name,
-                tags={"elastictrain.run": self.run_name, CREATED_BY: self._creator}).info.run_id
+            # A create that timed out, or whose attempt died before it kept the id, may have made the run all the same:
+            # every attempt of this torchrun job tags its create with one token, kept in the store before the create.
+            creator = self._creator_token(store)
+            mine = self.client.search_runs([experiment_id], f"tags.`{CREATED_BY}` = '{creator}'", max_results=1)
+            if mine:
+                run_id, created = mine[0].info.run_id, not mine[0].data.params  # its config, unless that was logged
+            else:
+                run_id = self.client.create_run(experiment_id, run_name=self.run_name,
+                                                tags={"elastictrain.run": self.run_name, CREATED_BY: creator}).info.run_id
             if store is not None:
                 store.set(RUN_ID_KEY, run_id)
         ids.mlflow_run_id = self.run_id = run_id
         return created
 
+    def _creator_token(self, store: Any) -> str:
+        if store is None:
+            return self._creator
+        token = self._from_store(store, CREATOR_KEY)
+        if not token:
+            store.set(CREATOR_KEY, self._creator)
+            token = self._creator
+        return token
+
     @staticmethod
-    def _from_store(store: Any) -> str:
-        """The run an earlier attempt of this torchrun job created before it died without a snapshot."""
-        if store is None or not store.check([RUN_ID_KEY]):
+    def _from_store(store: Any, key: str) -> str:
+        """What an earlier attempt of this torchrun job kept there before it died without a snapshot."""
+        if store is None or not store.check([key]):
             return ""
-        return store.get(RUN_ID_KEY).decode()
+        return store.get(key).decode()
 
     def written(self) -> dict[str, int]:
         stored = {}
