@@ -156,9 +156,10 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
 @pytest.mark.torchrun
 def test_a_hung_mlflow_server_costs_the_run_no_stall_and_no_restart_and_its_points_follow_once_it_answers(
         tmp_path, unbroken, mlflow_server):
-    """The server SIGSTOPped from step 10 (its snapshot's points in flight) until step 40: training goes on past 5
-    snapshots without waiting, the one attempt ends, and the points of the outage reach MLflow once it answers, each
-    once (the batches that timed out and were sent again included), each with the time it was measured."""
+    """The server SIGSTOPped from step 10 until step 40 (the tracker thread's calls in flight, its start too on a
+    loaded machine): training goes on past 6 snapshots without waiting, the one attempt ends, and the points of the
+    outage reach MLflow once it answers, each once (calls that timed out and were sent again included), each with the
+    time it was measured."""
     pauses, outage = "0@10,0@40", {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}  # a hung request fails after 3 s
     # Rank 0 waits at step 40 until the timeout is seen: no hang for the watchdog.
     job = launch(tmp_path, "hung", mlflow_server, pauses, ["watchdog.hang_timeout_s=120"], outage)
