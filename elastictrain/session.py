@@ -227,7 +227,7 @@ class Session:
         )
         self.events.restored(self.global_step, restored.duration_s if restored else 0.0, restored is not None)
         if self.cfg.track.mlflow_uri:  # rank 0's tracker run, in every rank's copies (a fast copy from any node)
-            share_run_id(self.state.tracking, ctx)
+            share_run_id(self.state.tracking, ctx, at_start=True)
         if ctx.is_main:
             log.info("%s", self.state.threads.report())
         self.tiers.begin(self._started_unix)

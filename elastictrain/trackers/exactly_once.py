@@ -72,6 +72,7 @@ class Tracking(Observer):
         # The history is the restored snapshot's now (or empty): read it from the start, skip what is stored.
         self.cursor = 0
         self.run.tracking.forget_times_after(step)
+        self.run.tracking.ensure_creator(self.store)  # before the tracker thread opens the run, and the broadcast
         attempts = self.run.run_log.attempts
         marker = None
         # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.

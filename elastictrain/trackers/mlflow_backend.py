@@ -33,7 +33,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 CREATED_BY = "elastictrain.created_by"  # a tag on the run: a create whose answer was lost is found, not made twice
-CREATOR_KEY = "tracking/mlflow_creator"  # in the launcher's store: the tag's value, the same for every attempt
 
 
 def check_installed(uri: str) -> None:
@@ -53,7 +52,7 @@ class MlflowBackend:
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri, self.experiment, self.run_name, self.run_id = uri, experiment, run_name, ""
-        self._creator = uuid.uuid4().hex
+        self._creator = uuid.uuid4().hex  # without a token from the run's state (a backend used on its own)
 
     def open(self, ids: TrackingIds, store: Any) -> bool:
         run_id = ids.mlflow_run_id or self._from_store(store, RUN_ID_KEY)
@@ -61,9 +60,8 @@ class MlflowBackend:
         if created:
             found = self.client.get_experiment_by_name(self.experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
-            # A create that timed out, or whose attempt died before it kept the id, may have made the run all the same:
-            # every attempt of this torchrun job tags its create with one token, kept in the store before the create.
-            creator = self._creator_token(store)
+            # A create that timed out, or whose attempt died before the id was kept, may have made the run all the same.
+            creator = ids.creator or self._creator
             mine = self.client.search_runs([experiment_id], f"tags.`{CREATED_BY}` = '{creator}'", max_results=1)
             if mine:
                 run_id, created = mine[0].info.run_id, not mine[0].data.params  # its config, unless that was logged
@@ -74,15 +72,6 @@ class MlflowBackend:
                 store.set(RUN_ID_KEY, run_id)
         ids.mlflow_run_id = self.run_id = run_id
         return created
-
-    def _creator_token(self, store: Any) -> str:
-        if store is None:
-            return self._creator
-        token = self._from_store(store, CREATOR_KEY)
-        if not token:
-            store.set(CREATOR_KEY, self._creator)
-            token = self._creator
-        return token
 
     @staticmethod
     def _from_store(store: Any, key: str) -> str:
