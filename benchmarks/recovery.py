@@ -87,6 +87,10 @@ JOBS = {
 # the restarted workers are forked from a preloaded interpreter (torch, torch._dynamo, elastictrain).
 JOBS["default job + warm start"] = {**JOBS["default job"], "warm": True, "modes": ("elastictrain",)}
 JOBS["~200 MB state + fast tier + warm start"] = {**JOBS["~200 MB state + fast tier"], "warm": True}
+# The default job with both trackers on (TensorBoard, and MLflow on a real `mlflow server` on 127.0.0.1 this
+# benchmark starts): the trackers open on a thread of their own, off the restart's path.
+JOBS["default job + trackers"] = {**JOBS["default job"], "trackers": True, "modes": ("elastictrain",)}
+MLFLOW_URI = ""  # main() starts a server when a job has trackers
 MODES = ("elastictrain", "textbook")
 PHASES = ("detect", "stop", "rendezvous", "start", "build", "init", "wrap", "read", "load", "first_step")
 START_TIMEOUT_S = 300.0
@@ -105,8 +109,10 @@ def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
         fast = [f"snapshot.local.url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
         warm = ["-m", "elastictrain.warmstart"] if job.get("warm") else []
+        track = ["track.tensorboard=true", f"track.mlflow_uri={MLFLOW_URI}", f"track.mlflow_experiment={workdir.name}"
+                 ] if job.get("trackers") else []
         return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast,
-                *OVERRIDES]
+                *track, *OVERRIDES]
     return [*TORCHRUN, str(TEXTBOOK), "--checkpoint", str(workdir / "checkpoint.pt"), *job["textbook"]]
 
 
@@ -271,6 +277,8 @@ def summarise(results: list[dict]) -> dict:
     for job in dict.fromkeys(r["job"] for r in results):  # the jobs that ran, in order
         for mode in JOBS[job].get("modes", MODES):
             mine = [r for r in results if r["job"] == job and r["mode"] == mode]
+            if not mine:  # a mode left out with --modes
+                continue
             recovered = [r for r in mine if r["outcome"] == "recovered" and r.get("kill_to_first_step_s") is not None]
             entry = {"trials": len(mine), "recovered": len(recovered)}
             if recovered:
@@ -301,9 +309,11 @@ def table(summary: dict) -> str:
 
 
 def main() -> None:
+    global MLFLOW_URI
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma separated: " + ", ".join(MODES))
     parser.add_argument("--import-repeats", type=int, default=6)
     parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "recovery.json")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -317,9 +327,15 @@ def main() -> None:
     started_at, started = time.time(), time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
+        server = None
+        if any(JOBS[job].get("trackers") for job in jobs):
+            from tests.helpers.mlflow_server import MlflowServer
+
+            server = MlflowServer(pathlib.Path(scratch))
+            MLFLOW_URI = server.uri
         for index in range(args.trials):
             for job in jobs:
-                job_modes = JOBS[job].get("modes", MODES)
+                job_modes = [mode for mode in JOBS[job].get("modes", MODES) if mode in args.modes.split(",")]
                 modes = job_modes if index % 2 == 0 else job_modes[::-1]  # alternate which mode goes first
                 for mode in modes:
                     result = trial(job, mode, pathlib.Path(scratch) / f"{index}-{len(results)}")
@@ -327,6 +343,8 @@ def main() -> None:
                     results.append(result)
                     print(f"trial {index} {job} {mode}: {result['outcome']} kill->first step "
                           f"{result.get('kill_to_first_step_s')} s {result.get('phases_s')}", file=sys.stderr, flush=True)
+        if server is not None:
+            server.stop()
     imports = import_cost(args.import_repeats)
     summary = summarise(results)
     print(table(summary))

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
@@ -29,6 +30,7 @@ from .errors import ConfigError
 from .events import Observer, RunInfo, SnapshotReport, TrainInterval
 from .goodput import Goodput
 from .states import State
+from .stragglers import compute_s_by_rank, others_median_s
 
 PREFIX = "elastictrain_"
 # Local-disk snapshots of small models take tens of milliseconds; large ones on object stores, minutes.
@@ -41,6 +43,10 @@ COUNTERS = {
 # Anomalies (anomalies.py) by decision: skip, rollback (a replay started), data (it recurred: samples skipped),
 # transient (the replay was clean). Rollbacks are rollback + data.
 ANOMALY_DECISIONS = ("skip", "rollback", "data", "transient")
+# At DONE, rank 0 waits for one more scrape (if it has ever been scraped), so Prometheus sees the run finish and
+# ElastictrainMetricsGone (launch/monitoring/alerts.yml) tells a finished run from a lost one; this long at most.
+FINAL_SCRAPE_WAIT_S = 30.0
+SCRAPE_ANSWER_S = 0.2
 SNAPSHOT_DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -58,6 +64,9 @@ class PrometheusObserver(Observer):
         self.registry = CollectorRegistry(auto_describe=True)
         self._info: RunInfo | None = None
         self._labels: dict[str, str] = {}  # run (and node), known at started()
+        self._scraped = threading.Condition()
+        self._scrapes = 0  # scrapes served (counted by _ScrapeTimeCollector)
+        self._scrapes_at_done: int | None = None
         self._create_metrics()
         self.registry.register(_ScrapeTimeCollector(self))
         try:
@@ -87,20 +96,26 @@ class PrometheusObserver(Observer):
         self.train_metric = gauge("train_metric", "Training loss and metrics, reduced over all ranks, last log interval.", ("name",))
         self.learning_rate = gauge("learning_rate", "Learning rate of the first parameter group.")
         self.validation_metric = gauge("validation_metric", "Validation loss and metrics over the whole validation set.", ("name",))
-        self.step_time = gauge("step_time_seconds", "Mean optimizer step time of each rank over the last log interval.", ("rank",))
+        self.step_time = gauge("step_time_seconds", "Mean optimizer step time of each rank over the last log interval "
+                               "(equal on all ranks under synchronous training: each waits for the slowest).", ("rank",))
+        # What the straggler log judges (stragglers.py): each rank's own compute, against the others' median.
+        self.compute_time = gauge("compute_time_seconds", "Each rank's mean compute per step over the last log interval: "
+                                  "its step time minus its wait in the gradient all-reduce.", ("rank",))
+        self.compute_others_median = gauge(
+            "compute_time_others_median_seconds", "The median of the other ranks' compute per step, what each rank's "
+            "elastictrain_compute_time_seconds is judged against (2 ranks or more).", ("rank",))
         self.state = gauge("state", "1 for the worker's current state, 0 for the others.", ("state",))
         self.world_size = gauge("world_size", "Workers in the process group.")
         self.restore_duration = gauge("restore_duration_seconds", "How long the last restore took.")
-        self.snapshot_duration = Histogram(
-            PREFIX + "snapshot_duration_seconds", "Training blocked by each committed snapshot.", base,
-            buckets=SNAPSHOT_DURATION_BUCKETS_S, registry=self.registry,
-        )
         self.snapshot_size = gauge("snapshot_size_bytes", "Size of the last committed snapshot.")
         self.last_snapshot_time = gauge("last_snapshot_timestamp_seconds", "Unix time the last snapshot was committed.")
         self.last_snapshot_step = gauge("last_snapshot_step", "Global step of the last committed snapshot.")
         # Counters are plain numbers exported by _ScrapeTimeCollector: no `_created` series
         # (an `elastictrain_snapshots_created` gauge would read like a count of snapshots).
+        # The snapshot-duration histogram too (no `_seconds_created` series that reads like a duration).
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.snapshot_buckets = [0] * len(SNAPSHOT_DURATION_BUCKETS_S)  # rank 0's commits, cumulative per upper bound
+        self.snapshot_duration_count, self.snapshot_duration_sum_s = 0, 0.0
         self.anomalies = dict.fromkeys(ANOMALY_DECISIONS, 0)
 
     # -- events -----------------------------------------------------------------------------
@@ -119,6 +134,9 @@ class PrometheusObserver(Observer):
         if self._labels:  # the loop's first transition (SETUP -> RESTORE) comes after started()
             self._set_state(dst)
             self.global_step.labels(**self._labels).set(step)
+        if dst is State.DONE:
+            with self._scraped:
+                self._scrapes_at_done = self._scrapes
 
     def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None:
         self.global_step.labels(**self._labels).set(step)
@@ -138,6 +156,11 @@ class PrometheusObserver(Observer):
                 self.train_metric.labels(**labels, name=key.removeprefix("train_")).set(value)
         for rank, step_time_s in enumerate(interval.step_time_s_by_rank):
             self.step_time.labels(**labels, rank=str(rank)).set(step_time_s)
+        compute = compute_s_by_rank(interval.step_time_s_by_rank, interval.sync_wait_s_by_rank)
+        for rank, compute_s in enumerate(compute):
+            self.compute_time.labels(**labels, rank=str(rank)).set(compute_s)
+        for rank, others_s in enumerate(others_median_s(compute)):
+            self.compute_others_median.labels(**labels, rank=str(rank)).set(others_s)
 
     def evaluated(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -155,7 +178,10 @@ class PrometheusObserver(Observer):
         self.last_snapshot_step.labels(**labels).set(report.step)
         # Only rank 0 writes the snapshot, so only it knows how long that took and how big it is.
         if self._info.rank == 0:
-            self.snapshot_duration.labels(**labels).observe(report.duration_s)
+            self.snapshot_buckets = [n + (report.duration_s <= bound) for n, bound in
+                                     zip(self.snapshot_buckets, SNAPSHOT_DURATION_BUCKETS_S)]
+            self.snapshot_duration_count += 1
+            self.snapshot_duration_sum_s += report.duration_s
             self.snapshot_size.labels(**labels).set(report.size_bytes)
 
     def preempt_requested(self, signal_name: str, step: int) -> None:
@@ -165,6 +191,10 @@ class PrometheusObserver(Observer):
         self.anomalies[entry["decision"]] = self.anomalies.get(entry["decision"], 0) + 1
 
     def closed(self) -> None:
+        with self._scraped:  # a finished run is scraped once as done (when anything scrapes it at all)
+            if self._scrapes_at_done is not None and self._scrapes_at_done > 0:
+                if self._scraped.wait_for(lambda: self._scrapes > self._scrapes_at_done, timeout=FINAL_SCRAPE_WAIT_S):
+                    time.sleep(SCRAPE_ANSWER_S)  # counted as it is collected: let its answer go out
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
@@ -175,7 +205,7 @@ class PrometheusObserver(Observer):
 
 
 class _ScrapeTimeCollector(Collector):
-    """What is read when Prometheus scrapes: the event counters, the launcher's restart count, goodput."""
+    """What is read when Prometheus scrapes: the event counters, snapshot durations, the launcher's restart count, goodput."""
 
     def __init__(self, observer: PrometheusObserver) -> None:
         self.observer = observer
@@ -184,6 +214,9 @@ class _ScrapeTimeCollector(Collector):
         return []  # families appear once the run is known; nothing to check for name clashes up front
 
     def collect(self) -> Iterator[Metric]:
+        with self.observer._scraped:
+            self.observer._scrapes += 1
+            self.observer._scraped.notify_all()
         info, labels = self.observer._info, self.observer._labels
         if info is None:
             return
@@ -199,6 +232,14 @@ class _ScrapeTimeCollector(Collector):
         for decision, count in self.observer.anomalies.items():
             anomalies.add_metric([*values, decision], count)
         yield anomalies
+        observer = self.observer
+        if observer.snapshot_duration_count:  # only rank 0 times the commits it writes
+            histogram = HistogramMetricFamily(PREFIX + "snapshot_duration_seconds",
+                                              "Training blocked by each committed snapshot.", labels=names)
+            buckets = [(str(bound), n) for bound, n in zip(SNAPSHOT_DURATION_BUCKETS_S, observer.snapshot_buckets)]
+            histogram.add_metric(values, [*buckets, ("+Inf", observer.snapshot_duration_count)],
+                                 observer.snapshot_duration_sum_s)
+            yield histogram
         restarts = CounterMetricFamily(
             PREFIX + "restarts", "Worker-group restarts by the launcher (torchrun/SLURM restart count).", labels=names
         )

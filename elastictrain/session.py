@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import clipping_norm, grad_norm
-from .collectives import broadcast_from_main
 from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, UsageError
@@ -53,6 +52,7 @@ from .summary import RunSummary, attach_reporters, summarize
 from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
 from .tiers import SnapshotTiers
+from .trackers.ids import share_run_id
 from .train_metrics import TrainMetrics
 from .train_data import Loader, TrainData
 from .vote import NOTHING, Requests
@@ -248,7 +248,7 @@ class Session:
         )
         self.events.restored(self.global_step, restored.duration_s if restored else 0.0, restored is not None)
         if self.cfg.track.mlflow_uri:  # rank 0's tracker run, in every rank's copies (a fast copy from any node)
-            self.state.tracking.mlflow_run_id = broadcast_from_main(self.state.tracking.mlflow_run_id, ctx)
+            share_run_id(self.state.tracking, ctx, at_start=True)
         if ctx.is_main:
             log.info("%s", self.state.threads.report())
         self.tiers.begin(self._started_unix)

@@ -42,6 +42,20 @@ class Straggler:
     others_median_s: float  # the other ranks' median
 
 
+def compute_s_by_rank(step_time_s_by_rank: Sequence[float], sync_wait_s_by_rank: Sequence[float] | None) -> list[float]:
+    """Each rank's compute per step: its step time minus its wait in the gradient all-reduce (step time if unmeasured)."""
+    if not sync_wait_s_by_rank:
+        return list(step_time_s_by_rank)
+    return [max(0.0, s - w) for s, w in zip(step_time_s_by_rank, sync_wait_s_by_rank)]
+
+
+def others_median_s(compute_s_by_rank: Sequence[float]) -> list[float]:
+    """For each rank, the median of the *other* ranks' values (what a rank is judged against); empty below 2 ranks."""
+    if len(compute_s_by_rank) < 2:
+        return []
+    return [statistics.median(s for r, s in enumerate(compute_s_by_rank) if r != rank) for rank in range(len(compute_s_by_rank))]
+
+
 def find_stragglers(compute_s_by_rank: Sequence[float], factor: float, min_excess_s: float = 0.0) -> list[Straggler]:
     """Ranks whose compute per step is over ``factor`` times the median of the *other* ranks'.
 
@@ -51,8 +65,7 @@ def find_stragglers(compute_s_by_rank: Sequence[float], factor: float, min_exces
     if factor <= 0 or len(compute_s_by_rank) < 2:
         return []
     found = []
-    for rank, compute_s in enumerate(compute_s_by_rank):
-        others = statistics.median(s for r, s in enumerate(compute_s_by_rank) if r != rank)
+    for rank, (compute_s, others) in enumerate(zip(compute_s_by_rank, others_median_s(compute_s_by_rank))):
         if compute_s > factor * others and compute_s - others >= min_excess_s:
             found.append(Straggler(rank, compute_s, others))
     return found
@@ -83,10 +96,7 @@ class StragglerReport(Observer):
         """One interval's per-rank mean step time (and wait in the gradient all-reduce, if measured)."""
         if not self._is_main or not step_time_s_by_rank:
             return
-        if sync_wait_s_by_rank:
-            compute = [max(0.0, s - w) for s, w in zip(step_time_s_by_rank, sync_wait_s_by_rank)]
-        else:
-            compute = list(step_time_s_by_rank)
+        compute = compute_s_by_rank(step_time_s_by_rank, sync_wait_s_by_rank)
         now = self._clock()
         slow = find_stragglers(compute, self.settings.factor, self.settings.min_excess_s)
         due = [s for s in slow if now - self._last_named.get(s.rank, -float("inf")) >= self.settings.repeat_after_s]

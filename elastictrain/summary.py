@@ -85,3 +85,8 @@ def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: 
         from .trackers.exactly_once import attach_trackers
 
         attach_trackers(cfg, events, run)
+    if cfg.track.mlflow_uri:  # rank 0 opens its tracker run in the background: its id reaches the others' snapshots later
+        from .trackers.ids import share_run_id
+
+        for snapshot in (State.SNAPSHOT, State.LOCAL_SNAPSHOT):  # every rank takes both at the same steps
+            machine.on(dst=snapshot)(lambda *_: share_run_id(run.tracking, ctx))

@@ -17,7 +17,8 @@ from tests.test_metrics import MONITORING, TRAIN_SNAPSHOT_EVALUATE, exporter, me
 ALERTS = MONITORING / "alerts.yml"
 ALERT_TESTS = MONITORING / "alerts.test.yml"
 EXPECTED_ALERTS = {"ElastictrainNoProgress", "ElastictrainSnapshotStale", "ElastictrainRestartRate",
-                   "ElastictrainSnapshotFailures", "ElastictrainGoodputDrop", "ElastictrainStraggler"}
+                   "ElastictrainSnapshotFailures", "ElastictrainGoodputDrop", "ElastictrainStraggler",
+                   "ElastictrainTargetDown", "ElastictrainMetricsGone"}
 
 
 @pytest.fixture(scope="module")

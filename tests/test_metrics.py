@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -36,6 +38,7 @@ def trained(step: int, loss: float) -> TrainInterval:
     return TrainInterval(
         step=step, epoch=step // 48, steps=25, samples=800, elapsed_s=0.5,
         metrics={"train_loss": loss, "train_accuracy": 0.5, "lr": 0.003}, step_time_s_by_rank=[0.02, 0.03],
+        sync_wait_s_by_rank=[0.012, 0.001],  # rank 0 waits for rank 1: rank 1 computes 29 ms, rank 0 8 ms
     )
 
 
@@ -94,6 +97,11 @@ CASES = {
         ("elastictrain_validation_metric", {**RUN, "name": "loss"}, 0.8),
         ("elastictrain_validation_metric", {**RUN, "name": "accuracy"}, 0.75),
         ("elastictrain_step_time_seconds", {**RUN, "rank": "1"}, 0.03),
+        # What the straggler log judges: step time minus the all-reduce wait, against the other ranks' median.
+        ("elastictrain_compute_time_seconds", {**RUN, "rank": "0"}, 0.008),
+        ("elastictrain_compute_time_seconds", {**RUN, "rank": "1"}, 0.029),
+        ("elastictrain_compute_time_others_median_seconds", {**RUN, "rank": "0"}, 0.029),
+        ("elastictrain_compute_time_others_median_seconds", {**RUN, "rank": "1"}, 0.008),
         ("elastictrain_state", {**RUN, "state": "train"}, 1),
         ("elastictrain_state", {**RUN, "state": "evaluate"}, 0),
         ("elastictrain_world_size", RUN, 2),
@@ -224,6 +232,8 @@ def test_scripted_events_are_served_over_http(exporter, case):
     assert causes == pytest.approx(GOODPUT_SECONDS[case])
     ratio = scraped[("elastictrain_goodput_ratio", frozenset(labels.items()))]
     assert ratio == pytest.approx(GOODPUT_SECONDS[case]["productive"] / sum(GOODPUT_SECONDS[case].values()))
+    # prometheus_client's `_created` series read like counts of their own (`..._seconds_created` a duration): none.
+    assert not [name for name, _ in scraped if name.endswith("_created")]
     # A node label everywhere with per_node, nowhere without it.
     assert all(("node", "1") in key for _, key in scraped) == per_node
     assert not any(dict(key).get("node") for _, key in scraped) or per_node
@@ -232,6 +242,29 @@ def test_scripted_events_are_served_over_http(exporter, case):
 def test_nothing_is_served_but_the_exporter_itself_before_the_run_starts(exporter):
     observer = exporter()
     assert not [name for name, _ in samples(scrape(observer.port))]
+
+
+def test_at_done_rank_0_stays_for_one_more_scrape_when_it_is_scraped_at_all(exporter):
+    """So Prometheus sees the state done and ElastictrainMetricsGone tells a finished run from a lost one."""
+    done = [*TRAIN_SNAPSHOT_EVALUATE, ("transition", S.TRAIN, S.DONE, 50)]
+    never_scraped = exporter()
+    play([never_scraped], done)
+    started = time.monotonic()
+    never_scraped.closed()  # nothing scrapes it: nothing to wait for
+    assert time.monotonic() - started < 5
+
+    observer = exporter()
+    play([observer], done[:-1])
+    scrape(observer.port)
+    play([observer], done[-1:])
+    closing = threading.Thread(target=observer.closed)
+    closing.start()
+    closing.join(timeout=1.0)
+    assert closing.is_alive(), "closed() returned before the scrape that shows the run done"
+    last = samples(scrape(observer.port))
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+    assert last[("elastictrain_state", frozenset({**RUN, "state": "done"}.items()))] == 1
 
 
 def test_a_port_in_use_is_one_config_error_line(exporter):

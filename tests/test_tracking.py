@@ -7,10 +7,13 @@ trackers' own readers (TensorBoard's event file loader, ``MlflowClient.get_metri
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import signal
+import threading
+import time
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from tests.helpers.jobs import start_steps
 from elastictrain.config import REDACTED, load_config
 from elastictrain.events import SnapshotReport, TrainInterval
 from elastictrain.runstate import RunState
+from elastictrain.trackers.background import TrackerThread
 from elastictrain.trackers.exactly_once import Tracking
 from elastictrain.trackers.tensorboard_backend import TensorBoardBackend
 from tests.helpers.mlflow_server import MlflowServer
@@ -49,14 +53,15 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
-def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = None) -> procs.Launched:
+def launch(workdir: Path, name: str, server: MlflowServer, pauses: str | None = None, extra: list[str] = (),
+           env: dict[str, str] | None = None) -> procs.Launched:
     script = [str(PAUSED)] if pauses is not None else []
     # Warm restarts, with the trackers' libraries preloaded (each worker would import them again: ~3 s of CPU).
     command = [*torchrun_launcher(max_restarts=4), *WARM, "--preload", "mlflow.tracking,torch.utils.tensorboard",
                *script, str(REPO_ROOT / "examples" / "accumulation.py"),
                f"run.dir={workdir / 'run'}", f"track.mlflow_uri={server.uri}", f"track.mlflow_experiment={workdir.name}",
-               *COMMON]
-    env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir)}
+               *COMMON, *extra]
+    env = {**job_env(), "EXAMPLE_PAUSES": pauses or "", "EXAMPLE_PAUSE_DIR": str(workdir), **(env or {})}
     return procs.launch(command, log_path=workdir / f"{name}.log", env=env, cwd=workdir)
 
 
@@ -148,16 +153,64 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     assert run.info.status == "FINISHED" and run.data.tags["summary.attempts"] == "4"
 
 
+@pytest.mark.torchrun
+def test_a_hung_mlflow_server_costs_the_run_no_stall_and_no_restart_and_its_points_follow_once_it_answers(
+        tmp_path, unbroken, mlflow_server):
+    """The server SIGSTOPped from step 10 until step 40 (the tracker thread's calls in flight, its start too on a
+    loaded machine): training goes on past 6 snapshots without waiting, the one attempt ends, and the points of the
+    outage reach MLflow once it answers, each once (calls that timed out and were sent again included), each with the
+    time it was measured."""
+    pauses, outage = "0@10,0@40", {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}  # a hung request fails after 3 s
+    # Rank 0 waits at step 40 until the timeout is seen: no hang for the watchdog.
+    job = launch(tmp_path, "hung", mlflow_server, pauses, ["watchdog.hang_timeout_s=120"], outage)
+    try:
+        procs.wait_for_file(tmp_path / "paused-rank0-step10.pid", TIMEOUT_S, job)
+        mlflow_server.hang()
+        (tmp_path / "paused-rank0-step10.resume").touch()
+        procs.wait_for_file(tmp_path / "paused-rank0-step40.pid", TIMEOUT_S, job)  # 30 steps, 6 snapshots, no wait
+        job.wait_for(lambda out: "track: mlflow failed" in out, 60, "the warning that names the tracker")
+        woken_unix = time.time()
+    finally:
+        mlflow_server.wake()
+    (tmp_path / "paused-rank0-step40.resume").touch()
+    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
+    output = job.output()
+    assert start_steps(output) == [0] and parse_job(output).summary["restart"] == "0", output[-4000:]
+    assert "lost a peer" not in output
+    outages = len(re.findall(r"track: mlflow failed in .*training goes on", output))
+    assert outages >= 1 and len(re.findall(r"track: mlflow answers again after", output)) == outages, output[-4000:]
+
+    run, series = mlflow_run(mlflow_server, tmp_path.name)
+    _, expected = mlflow_run(mlflow_server, unbroken.name)
+    once_each(series)
+    assert series == expected  # every point, once, bitwise
+    assert run.info.status == "FINISHED"
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(tracking_uri=mlflow_server.uri).get_metric_history(run.info.run_id, "train_loss")
+    times = [metric.timestamp for metric in sorted(history, key=lambda metric: metric.step)]
+    assert times == sorted(times) and len(set(times)) == len(times), times  # each point its own time, in order
+    measured_in_outage = [metric.timestamp / 1000 for metric in history if 10 < metric.step < 40]
+    assert measured_in_outage and max(measured_in_outage) < woken_unix, "points carry when they were measured"
+
+
 def attempt(directory: Path, history: list[dict], restored_step: int, restart_count: int) -> tuple[Tracking, RunState]:
     """One attempt's tracker on rank 0, as the session drives it: started, the snapshot's history restored."""
     run = RunState(1)
     run.history.records = [dict(record) for record in history]
     run.run_log.begin(restart_count=restart_count, world_size=2, start_step=restored_step, launcher="torchrun",
                       started_unix=0.0, restored=restored_step > 0)
-    tracking = Tracking([TensorBoardBackend(str(directory))], run, {"run": {"name": "x"}})
+    tracking = Tracking([TrackerThread("tensorboard", lambda: TensorBoardBackend(str(directory)))], run, {"run": {"name": "x"}})
     tracking.started(SimpleNamespace(store=None))
     tracking.restored(restored_step, 0.0, restored_step > 0)
     return tracking, run
+
+
+def wall_times(directory: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [event.wall_time for name in sorted(os.listdir(directory)) for event in EventFileLoader(str(directory / name)).Load()
+            for value in event.summary.value if value.tag == tag]
 
 
 def train(tracking: Tracking, run: RunState, steps: range, value) -> None:
@@ -174,10 +227,14 @@ def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_wr
     first, run = attempt(directory, [], 0, 0)
     train(first, run, range(1, 9), lambda step: step / 10)
     first.snapshotted(SnapshotReport(step=4, committed=False, duration_s=0.0, error="store down"))
+    committed_unix = time.time()
     first.snapshotted(SnapshotReport(step=5, committed=True, duration_s=0.0, tier="local"))
     first.closed()  # SIGKILLed in step 9: steps 6 to 8 were never in a committed snapshot
     assert [(step, round(value, 6)) for _, step, value in tensorboard_points(directory)] == [
         (step, round(step / 10, 6)) for step in range(1, 6)]
+    # Each point with the time it was measured (trained), not the commit's or the write's.
+    times = wall_times(directory, "train_loss")
+    assert len(times) == 5 and times == sorted(set(times)) and times[-1] < committed_unix, (times, committed_unix)
 
     again, run = attempt(directory, run.history.records[:3], 3, 1)  # the copy of step 5 is lost: step 3's restores
     train(again, run, range(4, 11), lambda step: step / 100)  # another world size: other values
@@ -194,3 +251,67 @@ def test_a_password_in_the_mlflow_uri_is_redacted_where_the_config_is_logged_or_
     config = load_config(None, ["track.mlflow_uri=https://alice:s3cret@mlflow.example:5000/"])
     assert config.to_dict(redact=True)["track"]["mlflow_uri"] == f"https://{REDACTED}@mlflow.example:5000/"
     assert config.track.mlflow_uri == "https://alice:s3cret@mlflow.example:5000/"  # the client still gets it
+
+
+def until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.01)
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings_logged():
+    """The elastictrain logger's lines (it may not propagate to the root logger caplog listens on)."""
+    logger, kept = logging.getLogger("elastictrain"), Kept()
+    logger.addHandler(kept)
+    yield lambda: list(kept.messages)
+    logger.removeHandler(kept)
+
+
+class Outage:
+    """A tracker backend whose calls hang while ``down`` is set (a stopped server) and then fail, as a timeout does."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.down, self.made = threading.Event(), []
+
+    def call(self, what: str) -> None:
+        if self.down.is_set():
+            raise TimeoutError(f"{what}: read timed out")
+        self.made.append(what)
+
+
+def test_a_tracker_that_stops_answering_costs_the_caller_nothing_and_gets_every_call_once_in_order(warnings_logged):
+    backend = Outage()
+    tracker = TrackerThread("flaky", lambda: backend, max_pending=5, retry_first_s=0.01, retry_max_s=0.05)
+    tracker.submit("a", lambda b: b.call("a"))
+    backend.down.set()
+    for what in "bcdefgh":  # queued while it is down; the queue holds 5: two are dropped, with one warning
+        tracker.submit(what, lambda b, what=what: b.call(what))
+    until(lambda: tracker.down_since is not None, 10)
+    assert not tracker.close(idle_s=10), "close gives up at once while the tracker does not answer"
+    messages = warnings_logged()
+    assert sum("track: flaky failed in" in m and "training goes on" in m for m in messages) == 1, messages
+    assert sum("track: flaky has 5 calls waiting" in m for m in messages) == 1, messages
+
+    backend = Outage()
+    tracker = TrackerThread("flaky", lambda: backend, retry_first_s=0.01, retry_max_s=0.05)
+    backend.down.set()
+    for what in "abc":
+        tracker.submit(what, lambda b, what=what: b.call(what))
+    until(lambda: tracker.down_since is not None, 10)
+    backend.down.clear()  # it answers again: every call, in order, once
+    assert tracker.close(idle_s=10)
+    assert backend.made == ["a", "b", "c"]
+    assert sum("track: flaky answers again" in m for m in warnings_logged()) == 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..config import Config
 from ..events import Observer, Observers, SnapshotReport
 from ..states import State
+from .background import TrackerThread
 from .ids import TrackingIds
 
 if TYPE_CHECKING:
@@ -27,15 +29,19 @@ class Backend(Protocol):
     def written(self) -> dict[str, int]:
         """The highest step stored per name (what an earlier attempt already wrote)."""
 
-    def write(self, points: list[tuple[str, int, float]]) -> None: ...
+    def write(self, points: list[Point]) -> None:
+        """(name, step, value, unix time the point was measured); a point sent twice is stored once."""
 
-    def mark_restart(self, step: int, attempt: int, reason: str) -> None: ...
+    def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None: ...
 
     def log_config(self, config: dict[str, Any]) -> None: ...
 
     def log_summary(self, summary: dict[str, Any], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+Point = tuple[str, int, float, float]
 
 
 def metric_points(record: dict[str, Any]) -> list[tuple[str, float]]:
@@ -46,14 +52,18 @@ def metric_points(record: dict[str, Any]) -> list[tuple[str, float]]:
 class Tracking(Observer):
     """Rank 0's trackers: history records once a snapshot of their step has committed, restarts as markers.
 
-    A tracker that fails (a server down, a wrong URI) is said in one line and switched off; the run goes on.
+    Every tracker call runs on the tracker's own thread (background.py): this observer only decides what
+    to write and queues it, so a tracker that is slow, hung or down costs training nothing.
     """
 
-    def __init__(self, backends: list[Backend], run: "RunState", config: dict[str, Any]) -> None:
-        self.backends, self.run, self.config = backends, run, config
-        self.written: dict[str, dict[str, int]] = {}  # backend -> name -> highest step stored
+    def __init__(self, trackers: list[TrackerThread], run: "RunState", config: dict[str, Any]) -> None:
+        self.trackers, self.run, self.config = trackers, run, config
+        # The tracker threads' own: backend -> created now (config not yet logged); -> name -> highest step stored.
+        self.created: dict[str, bool] = {}
+        self.written: dict[str, dict[str, int]] = {}
+        self.confirmed: dict[str, int] = {}  # backend -> the step its points are written through (tracker threads)
         self.store: Any = None
-        self.cursor = 0  # history records before it are written (or skipped)
+        self.cursor = 0  # history records before it are queued (or skipped)
 
     def started(self, info: Any) -> None:
         self.store = info.store
@@ -61,15 +71,32 @@ class Tracking(Observer):
     def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None:
         # The history is the restored snapshot's now (or empty): read it from the start, skip what is stored.
         self.cursor = 0
-        self._each("start", lambda backend: self._start(backend, step))
+        self.run.tracking.forget_times_after(step)
+        self.run.tracking.ensure_creator(self.store)  # before the tracker thread opens the run, and the broadcast
+        attempts = self.run.run_log.attempts
+        marker = None
+        # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.
+        if len(attempts) > 1 or attempts[-1]["restart_count"] > 0:
+            reason = attempts[-1]["reason"]
+            marker = (step, len(attempts), "restart before the first snapshot" if reason == "fresh" else reason, time.time())
+        self._each("start", lambda backend: self._start(backend, marker))
 
     def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
         # ROLLBACK (anomalies.py) put back an older history: read it from the start too, skipping what is stored.
         self.cursor = 0
+        self.run.tracking.forget_times_after(to_step)
+
+    def trained(self, interval: Any) -> None:
+        self.run.tracking.measured(interval.step, time.time())
+
+    def evaluated(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        self.run.tracking.measured(step, time.time())
 
     def snapshotted(self, report: SnapshotReport) -> None:
         if report.committed:
             self._write_through(report.step)
+        if self.confirmed and len(self.confirmed) == len(self.trackers):
+            self.run.tracking.forget_times_through(min(self.confirmed.values()))
 
     def transition(self, src: State, dst: State, step: int) -> None:
         if dst is State.DONE:  # the end: every record is final (and the last snapshot holds it)
@@ -79,49 +106,49 @@ class Tracking(Observer):
 
     def closed(self) -> None:
         self._each("close", lambda backend: backend.close())
+        for tracker in self.trackers:
+            tracker.close()
 
-    def _start(self, backend: Backend, step: int) -> None:
+    def _start(self, backend: Backend, marker: tuple[int, int, str, float] | None) -> None:
+        """On the tracker's thread, retried until it succeeds: each part done once."""
+        if backend.name not in self.created:
+            self.created[backend.name] = backend.open(self.run.tracking, self.store)
+        if self.created[backend.name]:
+            backend.log_config(self.config)
+            self.created[backend.name] = False
         if backend.name not in self.written:
-            if backend.open(self.run.tracking, self.store):
-                backend.log_config(self.config)
             self.written[backend.name] = backend.written()
-        attempts = self.run.run_log.attempts
-        # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.
-        if len(attempts) > 1 or attempts[-1]["restart_count"] > 0:
-            reason = attempts[-1]["reason"]
-            backend.mark_restart(step, len(attempts), "restart before the first snapshot" if reason == "fresh" else reason)
+        if marker is not None:
+            backend.mark_restart(*marker)
 
     def _write_through(self, step: int | None) -> None:
         records = self.run.history.records
         end = self.cursor
         while end < len(records) and (step is None or records[end]["step"] <= step):
             end += 1
-        self._each("a write", lambda backend: self._write(backend, records[self.cursor:end]))
+        if end > self.cursor:
+            batch, now = records[self.cursor:end], time.time()
+            times = {record["step"]: self.run.tracking.time_of(record["step"], now) for record in batch}
+            self._each("a write", lambda backend: self._write(backend, batch, times))
         self.cursor = end
 
-    def _write(self, backend: Backend, records: list[dict[str, Any]]) -> None:
+    def _write(self, backend: Backend, records: list[dict[str, Any]], times: dict[int, float]) -> None:
+        """On the tracker's thread: the points of ``records`` it does not store yet."""
         stored = self.written[backend.name]
         latest, points = dict(stored), []
         for record in records:
             for name, value in metric_points(record):
                 if record["step"] > latest.get(name, -1):  # each (name, step) once, whatever an attempt replays
-                    points.append((name, record["step"], value))
+                    points.append((name, record["step"], value, times[record["step"]]))
                     latest[name] = record["step"]
         if points:
-            backend.write(points)
-            stored.update(latest)  # only once written: a failed write is retried by the next attempt
+            backend.write(points)  # a failure is retried by the thread with the same points, times included
+            stored.update(latest)
+        self.confirmed[backend.name] = max(record["step"] for record in records)
 
     def _each(self, what: str, call: Callable[[Backend], None]) -> None:
-        for backend in list(self.backends):
-            try:
-                call(backend)
-            except Exception as exc:  # the tracker's store, not training: one line, and the run goes on
-                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                log.warning("track: %s failed in %s (%s: %s) and is switched off for this attempt; the run goes on and "
-                            "the next attempt writes what this one could not", backend.name, what,
-                            type(exc).__name__, first_line)
-                log.debug("track: %s failed", backend.name, exc_info=True)
-                self.backends.remove(backend)
+        for tracker in self.trackers:
+            tracker.submit(what, call)
 
     def _summary(self) -> dict[str, Any]:
         progress, history = self.run.progress, self.run.history
@@ -131,16 +158,20 @@ class Tracking(Observer):
 
 
 def attach_trackers(cfg: Config, events: Observers, run: "RunState") -> None:
-    """Rank 0's trackers from ``track.*`` (none by default)."""
+    """Rank 0's trackers from ``track.*`` (none by default), each opened on its own thread (an import of seconds)."""
     track = cfg.track
-    backends: list[Backend] = []
+    trackers: list[TrackerThread] = []
     if track.tensorboard:
-        from .tensorboard_backend import TensorBoardBackend
+        from .tensorboard_backend import TensorBoardBackend, check_installed
 
-        backends.append(TensorBoardBackend(track.tensorboard_dir or f"{cfg.run_dir}/tensorboard"))
+        check_installed()
+        directory = track.tensorboard_dir or f"{cfg.run_dir}/tensorboard"
+        trackers.append(TrackerThread("tensorboard", lambda: TensorBoardBackend(directory)))
     if track.mlflow_uri:
-        from .mlflow_backend import MlflowBackend
+        from .mlflow_backend import MlflowBackend, check_installed
 
-        backends.append(MlflowBackend(track.mlflow_uri, track.mlflow_experiment or cfg.run.name, cfg.run.name))
-    if backends:
-        events.add(Tracking(backends, run, cfg.to_dict(redact=True)))
+        check_installed(track.mlflow_uri)
+        experiment = track.mlflow_experiment or cfg.run.name
+        trackers.append(TrackerThread("mlflow", lambda: MlflowBackend(track.mlflow_uri, experiment, cfg.run.name)))
+    if trackers:
+        events.add(Tracking(trackers, run, cfg.to_dict(redact=True)))

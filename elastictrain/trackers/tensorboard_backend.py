@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any
@@ -29,15 +30,19 @@ def stored_steps(directory: str) -> dict[str, int]:
     return stored
 
 
+def check_installed() -> None:
+    """At start, on the training thread (the import itself happens on the tracker's thread)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("track.tensorboard=true needs the tensorboard package: pip install "
+                          "'elastictrain[tensorboard]', or set track.tensorboard=false (nothing saved is lost)")
+
+
 class TensorBoardBackend:
     name = "tensorboard"
 
     def __init__(self, directory: str) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError("track.tensorboard=true needs the tensorboard package: pip install "
-                              "'elastictrain[tensorboard]', or set track.tensorboard=false (nothing saved is lost)") from None
+        from torch.utils.tensorboard import SummaryWriter
+
         self._writer_class, self.directory, self.writer = SummaryWriter, directory, None
         self._tags: dict[str, int] = {}
 
@@ -50,13 +55,13 @@ class TensorBoardBackend:
     def written(self) -> dict[str, int]:
         return dict(self._tags)
 
-    def write(self, points: list[tuple[str, int, float]]) -> None:
-        for name, step, value in points:
-            self.writer.add_scalar(name, value, step)
+    def write(self, points: list[tuple[str, int, float, float]]) -> None:
+        for name, step, value, wall_time_s in points:
+            self.writer.add_scalar(name, value, step, walltime=wall_time_s)
         self.writer.flush()
 
-    def mark_restart(self, step: int, attempt: int, reason: str) -> None:
-        self.writer.add_scalar(RESTART_MARKER, attempt, step)
+    def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None:
+        self.writer.add_scalar(RESTART_MARKER, attempt, step, walltime=wall_time_s)
         self.writer.flush()
 
     def log_config(self, config: dict[str, Any]) -> None:

@@ -49,10 +49,18 @@ class MlflowServer:
                 raise AssertionError(f"mlflow server not serving after {START_S} s:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.5)
 
+    def hang(self) -> None:
+        """SIGSTOP the server and its children (its session's process group): connections open, nothing answered."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def wake(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM the server, SIGKILL it after a grace period, then every child it had (by pid), and reap it."""
         self.children |= set(procs.descendants(self.proc.pid))
         if self.proc.poll() is None:
+            self.wake()  # a stopped process would not act on the SIGTERM
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=15)
