@@ -100,7 +100,8 @@ def train(mode: str, steps: int, every: int, workdir: pathlib.Path) -> dict:
         "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
     }, observers=[reports])
     trainer.fit()
-    staged_mb = (trainer.local_snapshots or trainer.snapshots)._stager.nbytes / 1e6  # 0 where nothing was staged
+    tiers = trainer.session.tiers
+    staged_mb = (tiers.local or tiers.durable)._stager.nbytes / 1e6  # 0 where nothing was staged
     shutil.rmtree(run_dir)
     shutil.rmtree(SHM / f"snapshot-cost-{os.getpid()}", ignore_errors=True)
     committed = [r for r in reports.reports if r.committed]
