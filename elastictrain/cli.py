@@ -20,7 +20,7 @@ import yaml
 
 from .config import load_config
 from .errors import ConfigError, ElastictrainError, PeerLost
-from .fatal import claim_line, earlier_attempt_failed, marker_path
+from .fatal import claim_line, marker_path
 from .logs import flush_standard_streams
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
@@ -196,9 +196,7 @@ def _warnings_to_stderr() -> Iterator[None]:
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
-    earlier = earlier_attempt_failed()
-    if earlier is not None:  # said once by the attempt that met it (fatal.py); torch is not even imported
-        return earlier.exit_code
+    # A later attempt after an error no restart can fix has already stopped on `import elastictrain` (fatal.py).
     try:
         cfg = load_config(config_path, overrides)  # before torch is imported: a config error answers at once
         from .loop import Trainer

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import DistConfig
-from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError, keep_excepthook_outermost
 from .launch_env import LaunchEnv, detect_launch_env
 from .rounds import agree_on_round
 
@@ -146,6 +146,7 @@ def _init_process_group(env: LaunchEnv, run_store: Any, round_id: str, backend: 
         timeout=timedelta(seconds=cfg.collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    keep_excepthook_outermost()  # init_process_group wrapped it: a user error's one line would be lost
     log.info(
         "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
         backend, env.rank, env.world_size, env.restart_count, round_id, env.launcher,

@@ -3,7 +3,10 @@
 An elastictrain error (bad input, a store that is gone) is one line, said once on the node
 (fatal.py), and recorded for the restarts when no restart can help; a signal during SETUP ends the
 rank quietly; a collective that failed because a peer went away becomes ``PeerLost``, which the
-launcher's restart answers. Anything else is a bug: its traceback is logged.
+launcher's restart answers. Anything else is a bug: its traceback is logged, once (the exception
+is marked, so the uncaught exception's hook does not print it again), unless an earlier attempt
+crashed the same way at the same step: then it is ``RepeatedCrash``, one line, and no restart
+follows (repeats.py).
 """
 
 from __future__ import annotations
@@ -13,16 +16,18 @@ import logging
 import torch
 
 from . import dist
-from .errors import ElastictrainError, PeerLost, RepeatedFatalError
+from .errors import LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError
 from .fatal import claim_line
+from .repeats import record_crash
 from .signals import SignalledInSetup, requeue_slurm_job
 
 log = logging.getLogger("elastictrain")
 
 
 def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: dist.DistContext | None,
-                   requeue: bool) -> PeerLost | None:
-    """Log why this rank stopped; a ``PeerLost`` to raise instead of ``exc`` when a peer was lost."""
+                   requeue: bool) -> ElastictrainError | None:
+    """Log why this rank stopped; what to raise instead of ``exc``: ``PeerLost`` when a peer was lost,
+    ``RepeatedCrash`` when an earlier attempt crashed the same way."""
     if isinstance(exc, SignalledInSetup):  # no traceback: the launcher (or the user) asked it to stop
         log.error("%s", exc.line(rank))
         if requeue and rank == "0":
@@ -42,7 +47,21 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
         log.error("%s", lost)
         return lost
     else:
+        first = record_crash(exc, step)
+        if first is not None:
+            repeated = RepeatedCrash(
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} again in state {state} at step {step}, as in "
+                f"attempt {first.restart} on rank {first.rank} (its traceback is above): a restart replays the same "
+                "steps, so this is a bug to fix, not a fault; no more restarts, every snapshot is kept")
+            if claim_line(repeated):
+                log.error("rank %s: %s", rank, repeated)
+            dist.record_fatal_error(ctx, repeated)
+            return repeated
         log.exception("rank %s failed in state %s at step %d", rank, state, step)
+        try:
+            setattr(exc, LOGGED, True)
+        except AttributeError:  # an exception type with __slots__: printed twice rather than lost
+            pass
     return None
 
 

@@ -34,7 +34,7 @@ from .anomalies import grad_norm
 from .collectives import broadcast_from_main
 from .config import Config, load_config
 from .data import Shard
-from .errors import ConfigError, UsageError
+from .errors import ConfigError, PeerLost, UsageError
 from .events import Observer, Observers, RunInfo
 from .failures import report_failure
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
@@ -439,17 +439,19 @@ class Session:
         return False
 
     def _fail(self, exc: BaseException) -> BaseException | None:
-        """Say in one line why this rank stopped (failures.py) and go to FAILED; a PeerLost to raise instead."""
+        """Say in one line why this rank stopped (failures.py) and go to FAILED; a PeerLost or RepeatedCrash to raise
+        instead."""
         state = self.machine.state
-        lost = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx, self.cfg.preempt.requeue)
-        if lost is not None:
+        replacement = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx,
+                                     self.cfg.preempt.requeue)
+        if isinstance(replacement, PeerLost):
             self._peer_lost = True
             if self.tiers is not None and state is State.TRAIN and self.anomalies.pending is None:
                 self.tiers.write_survivor_copy(self._meta(), self._rank_label,
                                                time.monotonic() - self._started, self.registry, self._marks_ahead)
         if not self.machine.finished:
             self.machine.transition(State.FAILED, self.global_step)
-        return lost
+        return replacement
 
     def _preempted(self, src: State, dst: State, step: int) -> None:
         self.state.run_log.current["preempted"] = 1
