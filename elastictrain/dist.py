@@ -176,6 +176,19 @@ def record_fatal_error(ctx: DistContext | None, error: ElastictrainError) -> Non
         log.debug("could not record the fatal error in the run store", exc_info=True)
 
 
+def recorded_fatal_error(ctx: DistContext | None) -> dict | None:
+    """The error no restart can fix that a rank of this round recorded (``record_fatal_error``), if any."""
+    if ctx is None or ctx.run_store is None:
+        return None
+    try:
+        if not ctx.run_store.check([FATAL_KEY]):
+            return None
+        record = json.loads(ctx.run_store.get(FATAL_KEY))
+    except Exception:  # the store's host may be gone with the peer
+        return None
+    return record if record.get("round") == ctx.round_id else None
+
+
 def check_no_fatal_error(run_store: Any, env: LaunchEnv, round_id: str = "") -> None:
     """Stop this attempt at once if an earlier one recorded an error that no restart can fix."""
     if not run_store.check([FATAL_KEY]):

@@ -12,11 +12,12 @@ follows (repeats.py).
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
 from . import dist
-from .errors import LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError
+from .errors import LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError
 from .fatal import claim_line
 from .repeats import record_crash
 from .signals import SignalledInSetup, requeue_slurm_job
@@ -41,9 +42,10 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
         if not exc.retryable:
             dist.record_fatal_error(ctx, exc)
     elif is_peer_loss(exc):
-        reason = " ".join(str(exc).split())[:160]
-        lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({reason}); "
-                        "the launcher restarts the group from the newest snapshot")
+        fatal = dist.recorded_fatal_error(ctx)
+        then = (f"rank {fatal['rank']} stopped on a {fatal['kind']} no restart can fix (its line is above)"
+                if fatal is not None else "the launcher restarts the group from the newest snapshot")
+        lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); {then}")
         log.error("%s", lost)
         return lost
     else:
@@ -63,6 +65,35 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
         except AttributeError:  # an exception type with __slots__: printed twice rather than lost
             pass
     return None
+
+
+def report_left_early(rank: str, step: int, last_committed: tuple[int, float] | None, ctx: dist.DistContext | None) -> None:
+    """A rank left its session (no error) before the run was done: a warning; with peers, also an error for the
+    launcher, since they lose this rank and restart, and it would leave at the same step again."""
+    resumes = last_committed[0] if last_committed else "none: a fresh start"
+    if ctx is None or not ctx.distributed:
+        log.warning("rank %s left the session at step %d before the run was done; the next launch resumes from the "
+                    "newest snapshot (step %s)", rank, step, resumes)
+        return
+    error = UsageError(
+        f"rank {rank} left the session at step {step} before the run was done while the other ranks trained on: "
+        "every rank runs session.epochs() to its end (or all leave at the same step), calling session.step() once "
+        "per optimizer step")
+    # Said now; under torchrun also recorded, so that when the other ranks fail for the want of this one, no
+    # restart follows (launch.py, fatal.py). If every rank left at this step the job simply ends.
+    claim_line(error)
+    log.warning("%s; the next launch resumes from the newest snapshot (step %s)", error, resumes)
+    dist.record_fatal_error(ctx, error)
+
+
+def peer_loss_reason(text: str, limit: int = 160) -> str:
+    """A collective's error in a few words: its first sentence without the source location, cut at a word."""
+    reason = " ".join(text.split())
+    reason = re.sub(r"^\[[^\]\s]+:\d+\] ", "", reason)  # gloo's "[/path/to/pair.cc:553] "
+    reason = re.split(r"(?<=\.) (?=[A-Z])", reason, maxsplit=1)[0]
+    if len(reason) <= limit:
+        return reason
+    return reason[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def is_peer_loss(exc: BaseException) -> bool:

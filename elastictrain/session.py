@@ -36,7 +36,7 @@ from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, PeerLost, UsageError
 from .events import Observer, Observers, RunInfo
-from .failures import report_failure
+from .failures import report_failure, report_left_early
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
 from .gradsync import wrap_model_for
 from .health import Health
@@ -421,10 +421,7 @@ class Session:
             if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
                 replacement = self._fail(exc)
             elif exc is None and not self.machine.finished:
-                last = self.tiers.last_committed if self.tiers else None
-                log.warning("rank %s left the session at step %d before the run was done; the next launch resumes "
-                            "from the newest snapshot (step %s)", self._rank_label, self.global_step,
-                            last[0] if last else "none: a fresh start")
+                report_left_early(self._rank_label, self.global_step, self.tiers and self.tiers.last_committed, self.ctx)
         finally:
             self.health.signals.uninstall()
             if self.tiers is not None:

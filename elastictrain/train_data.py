@@ -29,7 +29,7 @@ from .data import (
     steps_in_epoch,
     to_device,
 )
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .sample_seeds import warn_own_generators
 from .snapshot import Progress
 
@@ -97,6 +97,11 @@ class TrainData:
 
     def _steps(self, finished: Callable[[], bool]) -> Iterator[list[Any]]:
         while self.steps_left > 0 and not finished():
+            if self.taken:  # before the next batches, whose reading a stream agrees on in a collective
+                raise UsageError(
+                    f"rank {self.ctx.rank} asked the loader for the next step's micro-batches without session.step() "
+                    f"after the {len(self.taken)} it took: call session.step() on every rank, once per optimizer step "
+                    "(a rank that skips it leaves the others waiting in a collective)")
             batches = self._next_batches()
             if batches is None:  # a stream's epoch ended on some rank: every rank ends it here
                 self.steps_left = 0

@@ -85,6 +85,23 @@ def test_a_step_after_the_wrong_number_of_micro_batches_is_one_line(tmp_path, ca
         "call step() once per optimizer step")
 
 
+def test_a_rank_that_skips_session_step_is_one_line_at_its_next_batch(tmp_path, capsys):
+    # Under torchrun, `if session.is_main: session.step()` left the other ranks in mismatched collectives until the
+    # watchdog's 30 s; the rank that skips step() now says so before it reads the next step's batches.
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = session.loader(points())
+        session.restore()
+        for _inputs, _labels in loader:
+            pass
+
+    assert misuse(capsys, config(tmp_path), body) == (
+        "rank 0 asked the loader for the next step's micro-batches without session.step() after the 1 it took: call "
+        "session.step() on every rank, once per optimizer step (a rank that skips it leaves the others waiting in a "
+        "collective)")
+
+
 def test_a_wrapped_model_that_is_not_registered_is_one_line(tmp_path, capsys):
     def body(session):
         model, other = mlp(), nn.Linear(4, 2)
