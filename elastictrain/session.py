@@ -49,8 +49,8 @@ from .summary import RunSummary, attach_reporters, summarize
 from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
 from .tiers import SnapshotTiers
-from .train_metrics import TrainMetrics
-from .train_data import Loader, TrainData
+from .train_metrics import TrainMetrics, check_logged, evaluation_record
+from .train_data import Loader, TrainData, wrong_micro_batches
 from .vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
@@ -62,7 +62,7 @@ class Session:
 
     def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
                  observers: list[Observer] = ()) -> None:
-        self.cfg = load_config(config, list(overrides))
+        self.cfg = load_config(config, overrides)
         self.state = RunState(self.cfg.train.intra_op_threads, self.cfg.anomaly.skip_samples)
         self.machine = StateMachine()
         self.events = Observers([self.state.goodput, *observers])
@@ -102,6 +102,9 @@ class Session:
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run at its global batch (after a world-size change, the one the policy kept)."""
+        if self._data is None and self.cfg.train.max_steps is None:  # 0 would be a scheduler's ZeroDivisionError
+            raise UsageError("session.total_steps is known once session.loader() has the training set (or "
+                             "train.max_steps is set): call session.loader() first")
         return self._run_steps(self.state.batch_geometry.global_batch)
 
     def _run_steps(self, global_batch: int | None) -> int:
@@ -249,6 +252,7 @@ class Session:
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
         ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
+        check_logged("session.log", values)
         self.anomalies.loss(values.get("loss"), self.global_step + 1)
         self.metrics.add(samples, values)
 
@@ -281,6 +285,7 @@ class Session:
 
         ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
         self._training("step")
+        check_logged("session.step", values)
         data = self._data
         if self.anomalies.active:
             self.anomalies.loss(values.get("loss"), self.global_step + 1)
@@ -288,10 +293,7 @@ class Session:
         if data is not None:
             taken = data.take()
             if len(taken) != self.shard.grad_accum_steps:
-                raise UsageError(
-                    f"session.step() after {len(taken)} micro-batch(es) of the loader; a step takes "
-                    f"{self.shard.grad_accum_steps} (session.grad_accum_steps): call step() once per optimizer step"
-                )
+                raise wrong_micro_batches(len(taken), self.shard.grad_accum_steps, self.cfg.train.grad_accum_steps)
             if values:
                 self.metrics.add(sum(taken), values)
         elif values:
@@ -364,7 +366,7 @@ class Session:
         return decide(self.state.progress, self.plan, requests)
 
     def _evaluate_now(self) -> State:
-        record = {f"val_{name}": value for name, value in self._evaluate().items()}
+        record = evaluation_record(self._evaluate())
         progress = self.state.progress
         progress.last_evaluated_step = progress.global_step
         self.history.append(step=progress.global_step, epoch=progress.epoch, **record)

@@ -166,3 +166,21 @@ def test_every_duration_key_is_in_seconds_and_ends_in_s():
     assert "snapshot.local.every_s" in durations and "watchdog.hang_timeout_s" in durations
     assert [key for key in durations if not key.endswith("_s")] == []
     assert [key for key, _ in _leaves(Config) if any(word in key for word in ("second", "_ms", "minute", "hour"))] == []
+
+
+@pytest.mark.parametrize("source, overrides, expected", [
+    ("missing.yaml", [], "config file missing.yaml does not exist; pass the path of an existing YAML file"),  # not "to --config"
+    ("empty.yaml", [], "config file empty.yaml is empty (no keys); write the keys to change in it (run:, train:, ...), or "
+                       "pass no config file to train on the defaults"),  # before: trained on the defaults silently
+    (None, "train.max_epochs=2", "overrides='train.max_epochs=2' is a string; pass a list of key.sub=value strings: "
+                                 "overrides=['train.max_epochs=2']"),  # before: "override 't' is not of the form ..."
+])
+def test_config_sources_that_mislead_are_one_line_saying_what_to_do(tmp_path, monkeypatch, source, overrides, expected):
+    from elastictrain.config import load_config
+    from elastictrain.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# nothing here yet\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(source, overrides)
+    assert str(caught.value) == expected
