@@ -2,6 +2,9 @@
 
 The names below are imported on first use (PEP 562), so ``elastictrain --help``, a config error
 or ``elastictrain snapshots list`` answer without waiting seconds for torch to import.
+
+Under torchrun, importing the package ends a restarted worker at once when an earlier attempt met
+an error no restart can fix (fatal.py): before torch, the config or any restore.
 """
 
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .fatal import stop_if_an_earlier_attempt_failed
 from .threads import prepare_environment
+
+stop_if_an_earlier_attempt_failed()  # under torchrun: a later attempt that would only fail the same way
 
 __version__ = "0.1.0"
 

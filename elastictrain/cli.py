@@ -10,6 +10,7 @@ import argparse
 import atexit
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -20,7 +21,7 @@ import yaml
 
 from .config import load_config
 from .errors import ConfigError, ElastictrainError, PeerLost
-from .fatal import claim_line, earlier_attempt_failed, marker_path
+from .fatal import claim_line, marker_path
 from .logs import flush_standard_streams
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
@@ -145,7 +146,7 @@ def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
             print(json.dumps({"error": str(exc), "exit_code": exc.exit_code}), flush=True)
         raise
     try:
-        print(json.dumps(document, indent=2) if args.json else render(document), flush=True)
+        print(json.dumps(strict_json(document), indent=2, allow_nan=False) if args.json else render(document), flush=True)
     except BrokenPipeError:  # `elastictrain snapshots show URL | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet
         return 0
@@ -154,6 +155,18 @@ def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as None: JSON has no NaN or Infinity, and strict parsers (jq, JavaScript,
+    Go) reject Python's spelling of them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def storage_options(pairs: list[str]) -> dict[str, Any]:
@@ -196,9 +209,7 @@ def _warnings_to_stderr() -> Iterator[None]:
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
-    earlier = earlier_attempt_failed()
-    if earlier is not None:  # said once by the attempt that met it (fatal.py); torch is not even imported
-        return earlier.exit_code
+    # A later attempt after an error no restart can fix has already stopped on `import elastictrain` (fatal.py).
     try:
         cfg = load_config(config_path, overrides)  # before torch is imported: a config error answers at once
         from .loop import Trainer

@@ -391,6 +391,9 @@ def _is_secret_name(name: str) -> bool:
 
 def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: list[str] = ()) -> Config:
     """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
+    if isinstance(overrides, str):  # list("a=b") would be the overrides 'a', '=', 'b'
+        raise ConfigError(f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: "
+                          f"overrides=[{overrides!r}]")
     if isinstance(source, Config):
         raw, name = source.to_dict(), "config"
     elif isinstance(source, dict):
@@ -420,18 +423,19 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config") from None
+        raise ConfigError(f"config file {path} does not exist; pass the path of an existing YAML file") from None
     except IsADirectoryError:
         inside = sorted(str(p) for p in path.iterdir() if p.suffix in (".yaml", ".yml"))[:5]
         hint = f" such as {', '.join(inside)}" if inside else ""
-        raise ConfigError(f"config file {path} is a directory; pass a YAML file{hint} to --config") from None
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file{hint}") from None
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        raise ConfigError(f"config file {path} cannot be read ({reason}); pass a readable YAML file to --config") from None
+        raise ConfigError(f"config file {path} cannot be read ({reason}); pass a readable YAML file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
-    if data is None:
-        return {}
+    if data is None:  # trained on the defaults silently, the file's purpose unmet: say so
+        raise ConfigError(f"config file {path} is empty (no keys); write the keys to change in it (run:, train:, ...), "
+                          "or pass no config file to train on the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections (run:, train:, ...), not {type(data).__name__}")
     return data

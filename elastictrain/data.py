@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .sample_seeds import SeededSamples
 
 
@@ -178,3 +178,14 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(value, device) for value in batch)
     return batch
+
+
+def check_dataset(dataset: Any, what: str) -> None:
+    """A DataLoader (or nothing) where a Dataset belongs is one line naming the fix, not a traceback a step in."""
+    if isinstance(dataset, DataLoader):
+        raise UsageError(
+            f"{what} is a DataLoader; pass the Dataset it loads (its .dataset): elastictrain builds the loader itself, "
+            "sharded across ranks and resumable mid-epoch (batch size: train.batch_size; a collate_fn: pass it too)"
+        )
+    if not is_stream(dataset) and hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise UsageError(f"{what} is empty: its Dataset has 0 samples; check what it reads (a path, a filter, a split)")

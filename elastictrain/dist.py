@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import determinism
 from .config import DistConfig
-from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError, keep_excepthook_outermost
 from .launch_env import LaunchEnv, detect_launch_env
 from .rounds import agree_on_round
 
@@ -153,6 +153,7 @@ def _init_process_group(env: LaunchEnv, run_store: Any, round_id: str, backend: 
         timeout=timedelta(seconds=cfg.collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    keep_excepthook_outermost()  # init_process_group wrapped it: a user error's one line would be lost
     log.info(
         "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
         backend, env.rank, env.world_size, env.restart_count, round_id, env.launcher,
@@ -180,6 +181,19 @@ def record_fatal_error(ctx: DistContext | None, error: ElastictrainError) -> Non
         _write_fatal_error(ctx.run_store, ctx.env, ctx.rank, error, ctx.round_id)
     except Exception:  # the store's host may be gone too; the error itself was already logged
         log.debug("could not record the fatal error in the run store", exc_info=True)
+
+
+def recorded_fatal_error(ctx: DistContext | None) -> dict | None:
+    """The error no restart can fix that a rank of this round recorded (``record_fatal_error``), if any."""
+    if ctx is None or ctx.run_store is None:
+        return None
+    try:
+        if not ctx.run_store.check([FATAL_KEY]):
+            return None
+        record = json.loads(ctx.run_store.get(FATAL_KEY))
+    except Exception:  # the store's host may be gone with the peer
+        return None
+    return record if record.get("round") == ctx.round_id else None
 
 
 def check_no_fatal_error(run_store: Any, env: LaunchEnv, round_id: str = "") -> None:

@@ -12,7 +12,8 @@ repeating the traceback ``--max-restarts`` times.
 Uncaught, they print as one line too: importing this module installs a ``sys.excepthook`` that
 prints ``elastictrain: error: <message>`` and exits with the error's code, so a ConfigError from
 ``Trainer(..., overrides=sys.argv[1:])`` in a user's script reads like the command line's.
-Every other exception goes to the hook that was there before, traceback and all.
+Every other exception goes to the hook that was there before, traceback and all, unless the
+session that saw it logged its traceback already (then it exits 1 without a second copy).
 ``ELASTICTRAIN_TRACEBACK=1`` shows the traceback of user errors too.
 """
 
@@ -37,7 +38,9 @@ class LossFnError(ElastictrainError):
 
 class UsageError(ElastictrainError):
     """The custom-loop API called out of its protocol (session.py): state registered after restore, a step
-    outside TRAIN, a session used outside its ``with`` block."""
+    outside TRAIN, a session used outside its ``with`` block. Exits 2, as a config error: no restart can fix it."""
+
+    exit_code = 2
 
 
 class ConfigError(ElastictrainError):
@@ -78,6 +81,11 @@ class RepeatedFatalError(ElastictrainError):
         self.exit_code = exit_code
 
 
+class RepeatedCrash(ElastictrainError):
+    """The same exception at the same step as in an earlier attempt: a restart replays the steps exactly, so it is a
+    bug to fix, not a fault (repeats.py). Every snapshot is kept."""
+
+
 class AnomalyError(ElastictrainError):
     """Anomalies (non-finite or spiking steps) went on past anomaly.max_rollbacks; the snapshots are intact."""
 
@@ -89,6 +97,7 @@ class PeerLost(ElastictrainError):
 
 
 TRACEBACK_ENV = "ELASTICTRAIN_TRACEBACK"
+LOGGED = "_elastictrain_logged"  # on a bug's exception: its traceback is in the log already (failures.py)
 _previous_excepthook = sys.excepthook
 
 
@@ -98,6 +107,12 @@ def tracebacks_wanted() -> bool:
 
 
 def _print_user_error(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    _exit_if_said(exc)
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def _exit_if_said(exc: BaseException) -> None:
+    """SystemExit for an ElastictrainError (said in one line first) or a bug whose traceback is logged already."""
     if isinstance(exc, ElastictrainError) and not tracebacks_wanted():
         with contextlib.suppress(OSError, ValueError):  # a closed stdout must not hide the message
             sys.stdout.flush()  # what the script printed comes first, as with a traceback
@@ -108,7 +123,24 @@ def _print_user_error(exc_type: type[BaseException], exc: BaseException, tb: Tra
         # CPython exits with this code when an excepthook raises SystemExit, so a script's
         # config error ends with 2, as on the command line.
         raise SystemExit(exc.exit_code)
-    _previous_excepthook(exc_type, exc, tb)
+    if getattr(exc, LOGGED, False):  # a bug whose traceback the rank that had it logged: once is enough
+        raise SystemExit(1)
+
+
+def keep_excepthook_outermost() -> None:
+    """After ``torch.distributed.init_process_group``: it wraps ``sys.excepthook`` to prefix what the hook it wraps
+    prints with the rank, into a buffer that is lost when that hook exits, so a user error's line would vanish.
+    Ours goes around torch's again; every other exception still reaches torch's (and the prefix)."""
+    wrapped = sys.excepthook
+    if wrapped is _print_user_error or getattr(wrapped, "_elastictrain_outermost", False):
+        return
+
+    def outermost(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        _exit_if_said(exc)
+        wrapped(exc_type, exc, tb)
+
+    outermost._elastictrain_outermost = True  # type: ignore[attr-defined]
+    sys.excepthook = outermost
 
 
 def install_excepthook() -> None:

@@ -7,8 +7,11 @@ attempt paying an interpreter start and a torch import before it learns that. In
 rank of the node to meet such an error creates a marker in the directory torchrun keeps for
 this agent's run (the parent of each attempt's ``attempt_<n>`` folder, unique to the agent:
 ``tempfile.mkdtemp`` under ``--log-dir``) and says the error; every other rank of that attempt,
-and every later attempt, stays silent. ``python -m elastictrain train`` reads the marker before
-it imports torch or parses the config, so a later attempt costs an interpreter start only.
+and every later attempt stops at once: ``import elastictrain`` (the package's ``__init__``) reads
+the marker before anything imports torch, and the node's local rank 0 says the line again (one
+line per later attempt), so ``python -m elastictrain train`` costs an interpreter start only and a
+script that imports elastictrain before torch does too. ``elastictrain-run`` (launch.py) reads the
+same marker when a worker fails and makes no restart at all.
 
 Other nodes learn of an error met on one node through the run's store (``dist.record_fatal_error``).
 Without torchrun, or where its directory layout is not the one expected, there is no marker and
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -35,6 +39,12 @@ class FatalRecord:
     rank: int
     kind: str
     exit_code: int
+    message: str = ""
+
+    def line(self, restart: int) -> str:
+        """What a later attempt (``restart``) says before it stops."""
+        return (f"elastictrain: error: {self.message or self.kind} (rank {self.rank} met it in attempt {self.restart}; "
+                f"restart {restart} stopped at once: no restart can fix it)")
 
 
 def marker_path(environ: Mapping[str, str] | None = None) -> Path | None:
@@ -73,7 +83,7 @@ def claim_line(error: ElastictrainError, environ: Mapping[str, str] | None = Non
 def _create_marker(error: ElastictrainError, marker: Path, environ: Mapping[str, str] | None) -> bool:
     env = os.environ if environ is None else environ
     record = {"restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": int(env.get("RANK", "0")),
-              "kind": type(error).__name__, "exit_code": error.exit_code}
+              "kind": type(error).__name__, "exit_code": error.exit_code, "message": str(error)}
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -89,10 +99,25 @@ def earlier_attempt_failed(environ: Mapping[str, str] | None = None) -> FatalRec
     """The error an earlier attempt of this torchrun agent met and no restart can fix, if any."""
     env = os.environ if environ is None else environ
     marker = marker_path(env)
-    if marker is None:
-        return None
+    record = read_marker(marker) if marker is not None else None
+    return record if record is not None and record.restart < int(env["TORCHELASTIC_RESTART_COUNT"]) else None
+
+
+def read_marker(marker: Path) -> FatalRecord | None:
+    """The record in ``marker``; None when there is none (or one torn by a kill: that attempt finds out for itself)."""
     try:
-        record = FatalRecord(**json.loads(marker.read_text()))
-    except (OSError, ValueError, TypeError):  # none, or one torn by a kill: this attempt finds out for itself
+        return FatalRecord(**json.loads(marker.read_text()))
+    except (OSError, ValueError, TypeError):
         return None
-    return record if record.restart < int(env["TORCHELASTIC_RESTART_COUNT"]) else None
+
+
+def stop_if_an_earlier_attempt_failed(environ: Mapping[str, str] | None = None) -> None:
+    """Under torchrun, end this worker at once (SystemExit with the error's code) when an earlier attempt of this
+    agent met an error no restart can fix; the node's local rank 0 says it in one line first."""
+    env = os.environ if environ is None else environ
+    earlier = earlier_attempt_failed(env)
+    if earlier is None:
+        return
+    if env.get("LOCAL_RANK", "0") == "0":
+        print(earlier.line(int(env["TORCHELASTIC_RESTART_COUNT"])), file=sys.stderr, flush=True)
+    raise SystemExit(earlier.exit_code)

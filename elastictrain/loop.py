@@ -64,7 +64,7 @@ class Trainer:
         overrides: list[str] = (),
         observers: list[Observer] = (),
     ) -> None:
-        self.cfg = load_config(config, list(overrides))
+        self.cfg = load_config(config, overrides)
         self.task = Task(model, optimizer, train_data, loss_fn, val_data, lr_scheduler, grad_scaler, collate_fn)
         self.session = Session(self.cfg, observers=observers)
 
@@ -80,7 +80,7 @@ class Trainer:
     @classmethod
     def from_config(cls, config: Config | dict | str | None = None, overrides: list[str] = ()) -> "Trainer":
         """Build the task the config names, seeded with ``run.seed`` so every run starts from the same weights."""
-        cfg = load_config(config, list(overrides))
+        cfg = load_config(config, overrides)
         seed_rng(cfg.run.seed)
         return cls.from_task(load_task(cfg.task), cfg)
 

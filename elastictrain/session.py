@@ -34,9 +34,9 @@ from . import ddp, dist, failpoints, fsdp, launch_env
 from .anomalies import clipping_norm, grad_norm
 from .config import Config, load_config
 from .data import Shard
-from .errors import ConfigError, UsageError
+from .errors import ConfigError, PeerLost, UsageError
 from .events import Observer, Observers, RunInfo
-from .failures import report_failure
+from .failures import report_failure, report_left_early
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
 from .gradsync import wrap_model_for
 from .health import Health
@@ -53,8 +53,8 @@ from .plan import Plan, decide, run_finished
 from .states import State, StateMachine
 from .tiers import SnapshotTiers
 from .trackers.ids import share_run_id
-from .train_metrics import TrainMetrics
-from .train_data import Loader, TrainData
+from .train_metrics import TrainMetrics, check_logged, evaluation_record
+from .train_data import Loader, TrainData, wrong_micro_batches
 from .vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
@@ -66,7 +66,7 @@ class Session:
 
     def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
                  observers: list[Observer] = ()) -> None:
-        self.cfg = load_config(config, list(overrides))
+        self.cfg = load_config(config, overrides)
         self.state = RunState(self.cfg.train.intra_op_threads, self.cfg.anomaly.skip_samples)
         self.machine = StateMachine()
         self.events = Observers([self.state.goodput, *observers])
@@ -107,6 +107,9 @@ class Session:
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run at its global batch (after a world-size change, the one the policy kept)."""
+        if self._data is None and self.cfg.train.max_steps is None:  # 0 would be a scheduler's ZeroDivisionError
+            raise UsageError("session.total_steps is known once session.loader() has the training set (or "
+                             "train.max_steps is set): call session.loader() first")
         return self._run_steps(self.state.batch_geometry.global_batch)
 
     def _run_steps(self, global_batch: int | None) -> int:
@@ -275,6 +278,7 @@ class Session:
     def log(self, samples: int = 1, **values: Any) -> None:
         """Add this rank's ``values`` (tensors or numbers), weighted by ``samples``, to the metrics reduced across
         ranks every train.log_every_steps (and recorded as ``train_<name>``). A non-finite ``loss`` is an anomaly."""
+        check_logged("session.log", values)
         self.anomalies.loss(values.get("loss"), self.global_step + 1)
         self.metrics.add(samples, values)
 
@@ -313,6 +317,7 @@ class Session:
 
         ``values`` (e.g. ``loss=loss``) are logged weighted by the step's samples on this rank."""
         self._training("step")
+        check_logged("session.step", values)
         for warning in self.keys.at_step() if self.ctx.is_main else ():
             log.warning("%s", warning)
         data = self._data
@@ -322,10 +327,7 @@ class Session:
         if data is not None:
             taken = data.take()
             if len(taken) != self.shard.grad_accum_steps:
-                raise UsageError(
-                    f"session.step() after {len(taken)} micro-batch(es) of the loader; a step takes "
-                    f"{self.shard.grad_accum_steps} (session.grad_accum_steps): call step() once per optimizer step"
-                )
+                raise wrong_micro_batches(len(taken), self.shard.grad_accum_steps, self.cfg.train.grad_accum_steps)
             if values:
                 self.metrics.add(sum(taken), values)
         elif values:
@@ -398,7 +400,7 @@ class Session:
         return decide(self.state.progress, self.plan, requests)
 
     def _evaluate_now(self) -> State:
-        record = {f"val_{name}": value for name, value in self._evaluate().items()}
+        record = evaluation_record(self._evaluate())
         progress = self.state.progress
         progress.last_evaluated_step = progress.global_step
         self.history.append(step=progress.global_step, epoch=progress.epoch, **record)
@@ -455,10 +457,7 @@ class Session:
             if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
                 replacement = self._fail(exc)
             elif exc is None and not self.machine.finished:
-                last = self.tiers.last_committed if self.tiers else None
-                log.warning("rank %s left the session at step %d before the run was done; the next launch resumes "
-                            "from the newest snapshot (step %s)", self._rank_label, self.global_step,
-                            last[0] if last else "none: a fresh start")
+                report_left_early(self._rank_label, self.global_step, self.tiers and self.tiers.last_committed, self.ctx)
         finally:
             self.health.signals.uninstall()
             if self.tiers is not None:
@@ -473,17 +472,19 @@ class Session:
         return False
 
     def _fail(self, exc: BaseException) -> BaseException | None:
-        """Say in one line why this rank stopped (failures.py) and go to FAILED; a PeerLost to raise instead."""
+        """Say in one line why this rank stopped (failures.py) and go to FAILED; a PeerLost or RepeatedCrash to raise
+        instead."""
         state = self.machine.state
-        lost = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx, self.cfg.preempt.requeue)
-        if lost is not None:
+        replacement = report_failure(exc, self._rank_label, state.name, self.global_step, self.ctx,
+                                     self.cfg.preempt.requeue)
+        if isinstance(replacement, PeerLost):
             self._peer_lost = True
             if self.tiers is not None and state is State.TRAIN and self.anomalies.pending is None:
                 self.tiers.write_survivor_copy(self._meta(), self._rank_label,
                                                time.monotonic() - self._started, self.registry, self._marks_ahead)
         if not self.machine.finished:
             self.machine.transition(State.FAILED, self.global_step)
-        return lost
+        return replacement
 
     def _preempted(self, src: State, dst: State, step: int) -> None:
         self.state.run_log.current["preempted"] = 1

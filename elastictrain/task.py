@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -16,7 +17,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import TaskConfig, redact_secrets
-from .errors import TRACEBACK_ENV, ConfigError, LossFnError, tracebacks_wanted
+from .data import check_dataset
+from .errors import TRACEBACK_ENV, ConfigError, LossFnError, UsageError, tracebacks_wanted
 
 # loss_fn(model, batch) returns the mean loss over the batch, optionally with a dict of
 # per-batch means of other metrics: `loss` or `(loss, {"accuracy": acc})`.
@@ -35,6 +37,11 @@ class Task:
     collate_fn: Callable | None = None
 
     def __post_init__(self) -> None:
+        check_dataset(self.train_data, "train_data")
+        if self.val_data is not None:
+            check_dataset(self.val_data, "val_data")
+        if callable(self.lr_scheduler) and not hasattr(self.lr_scheduler, "state_dict"):
+            check_scheduler_factory(self.lr_scheduler)
         if isinstance(self.optimizer, (list, tuple, dict)):
             # Checked here, where the Trainer is built, not at step 0 as a traceback from optimizer.step().
             raise ConfigError(
@@ -42,6 +49,22 @@ class Task:
                 "torch.optim.Optimizer: put the parameter groups in one optimizer (each group may have its own lr), "
                 "or train the several optimizers in a custom loop"
             )
+
+
+def check_scheduler_factory(factory: Callable) -> None:
+    """A scheduler factory is called as ``factory(optimizer, total_steps)``: one that cannot be is one line now, not a
+    TypeError once the run has restored."""
+    try:
+        inspect.signature(factory).bind(None, 0)
+    except TypeError:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise UsageError(
+            f"lr_scheduler {name}{inspect.signature(factory)} cannot be called as factory(optimizer, total_steps): a "
+            "scheduler factory takes both, e.g. lambda optimizer, total_steps: CosineAnnealingLR(optimizer, "
+            "T_max=total_steps); or pass a built scheduler"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
 
 
 class PendingScheduler:
@@ -101,14 +124,14 @@ def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             "batch: return loss.mean() (or reduction='mean' in the loss function)"
         )
     for name, value in metrics.items():
-        if not _is_scalar(value):
+        if not is_scalar(value):
             raise LossFnError(_not_a_scalar_metric(name, value))
     if "loss" in metrics:
         raise LossFnError("loss_fn returned a metric named 'loss', which would hide the loss; rename the metric")
     return loss, metrics
 
 
-def _is_scalar(value: Any) -> bool:
+def is_scalar(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
     if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars

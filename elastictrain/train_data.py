@@ -22,6 +22,7 @@ from .data import (
     Shard,
     ShardedBatchSampler,
     batch_size_of,
+    check_dataset,
     check_stream,
     is_stream,
     make_loader,
@@ -29,7 +30,7 @@ from .data import (
     steps_in_epoch,
     to_device,
 )
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .sample_seeds import warn_own_generators
 from .snapshot import Progress
 
@@ -40,6 +41,7 @@ class TrainData:
     def __init__(self, dataset: Dataset, collate_fn: Callable | None, cfg: Config, ctx: dist.DistContext,
                  progress: Progress, shard: Shard, on_end_without_step: Callable[[], None],
                  skipped: set[int] = frozenset()) -> None:
+        check_dataset(dataset, "the dataset given to session.loader()")
         self.dataset, self.collate_fn, self.cfg, self.ctx, self.progress = dataset, collate_fn, cfg, ctx, progress
         self.shard = shard
         self.skipped = skipped  # global sample indices left out of every epoch (the anomaly log's, updated in place)
@@ -97,6 +99,11 @@ class TrainData:
 
     def _steps(self, finished: Callable[[], bool]) -> Iterator[list[Any]]:
         while self.steps_left > 0 and not finished():
+            if self.taken:  # before the next batches, whose reading a stream agrees on in a collective
+                raise UsageError(
+                    f"rank {self.ctx.rank} asked the loader for the next step's micro-batches without session.step() "
+                    f"after the {len(self.taken)} it took: call session.step() on every rank, once per optimizer step "
+                    "(a rank that skips it leaves the others waiting in a collective)")
             batches = self._next_batches()
             if batches is None:  # a stream's epoch ended on some rank: every rank ends it here
                 self.steps_left = 0
@@ -146,6 +153,17 @@ class TrainData:
         if self.ctx.distributed:
             ended = collectives.all_reduce_sum(torch.tensor([float(ended)], dtype=torch.float64), self.ctx).item() > 0
         return None if ended else batches
+
+
+def wrong_micro_batches(taken: int, per_step: int, configured: int) -> UsageError:
+    """``session.step()`` after another number of micro-batches than a step takes; names the elastic policy when it,
+    not train.grad_accum_steps, chose the number (a snapshot of a larger world resumed here)."""
+    why = "" if per_step == configured else (
+        f"; {per_step}, not train.grad_accum_steps={configured}, because the snapshot's global batch is kept at this "
+        "world size (train.on_world_size_change=keep_global_batch): iterate loader.steps() (each step's micro-batches "
+        "as one list), or set train.on_world_size_change=keep_rank_batch")
+    return UsageError(f"session.step() after {taken} micro-batch(es) of the loader; a step takes {per_step} "
+                      f"(session.grad_accum_steps): call step() once per optimizer step{why}")
 
 
 class Loader:

@@ -9,13 +9,40 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .dist import DistContext
+from .errors import UsageError
 from .events import Observers, TrainInterval
 from .reduce import WeightedSums
 from .runstate import RunState
 from .stragglers import GradientSyncTimer
+from .task import is_scalar
+
+
+def check_logged(call: str, values: Mapping[str, Any]) -> None:
+    """Values logged by ``session.step()``/``session.log()`` are scalars: one line naming the key, not a traceback."""
+    for name, value in values.items():
+        if not is_scalar(value):
+            raise UsageError(f"{call}({name}=...) got {_described(value)}; logged values are scalars, the mean over "
+                             f"the step's samples: pass {name}=x.mean()")
+
+
+def evaluation_record(returned: Any) -> dict[str, Any]:
+    """What the function given to ``session.evaluate_with()`` returned, as the history's ``val_<name>`` record."""
+    if not isinstance(returned, Mapping):
+        raise UsageError(f"the function given to session.evaluate_with() returned {_described(returned)}; it returns a "
+                         "dict of metric names to numbers, e.g. {'loss': 0.31, 'accuracy': 0.92}")
+    for name, value in returned.items():
+        if not is_scalar(value):
+            raise UsageError(f"the function given to session.evaluate_with() returned {name!r} as {_described(value)}; "
+                             f"metrics are scalars: return {{{name!r}: x.mean()}}")
+    return {f"val_{name}": value for name, value in returned.items()}
+
+
+def _described(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"a {type(value).__name__} of shape {tuple(shape)}" if shape is not None else f"a {type(value).__name__}"
 
 
 @dataclass

@@ -197,3 +197,21 @@ def test_no_numeric_key_takes_a_boolean(key):
 def test_yaml_off_still_turns_the_thread_count_off_and_booleans_stay_booleans():
     cfg = load_config(None, ["train.intra_op_threads=off", "dist.distributed=false", "anomaly.check_gradients=true"])
     assert cfg.train.intra_op_threads == "off" and cfg.dist.distributed is False and cfg.anomaly.check_gradients is True
+
+
+@pytest.mark.parametrize("source, overrides, expected", [
+    ("missing.yaml", [], "config file missing.yaml does not exist; pass the path of an existing YAML file"),  # not "to --config"
+    ("empty.yaml", [], "config file empty.yaml is empty (no keys); write the keys to change in it (run:, train:, ...), or "
+                       "pass no config file to train on the defaults"),  # before: trained on the defaults silently
+    (None, "train.max_epochs=2", "overrides='train.max_epochs=2' is a string; pass a list of key.sub=value strings: "
+                                 "overrides=['train.max_epochs=2']"),  # before: "override 't' is not of the form ..."
+])
+def test_config_sources_that_mislead_are_one_line_saying_what_to_do(tmp_path, monkeypatch, source, overrides, expected):
+    from elastictrain.config import load_config
+    from elastictrain.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# nothing here yet\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(source, overrides)
+    assert str(caught.value) == expected

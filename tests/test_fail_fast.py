@@ -72,6 +72,11 @@ def worker_stderr(log_dir: Path) -> dict[tuple[int, int], str]:
     return {(int(f.parent.parent.name.removeprefix("attempt_")), int(f.parent.name)): f.read_text() for f in files}
 
 
+def said(text: str) -> list[str]:
+    """A worker's stderr without the lines of ``python -X importtime``."""
+    return [line for line in text.splitlines() if not line.startswith("import time:")]
+
+
 TORCH_IMPORTED = re.compile(r"^import time:.*\|\s+torch$", re.MULTILINE)  # python -X importtime: the package itself
 
 
@@ -94,14 +99,19 @@ def test_an_error_no_restart_can_fix_is_said_by_one_rank_once_and_later_attempts
     saying = {worker: [line for line in text.splitlines() if message in line] for worker, text in stderr.items()}
     saying = {worker: lines for worker, lines in saying.items() if lines}
     # One rank of the first attempt says it, not every rank of every attempt.
-    assert len(saying) == 1 and next(iter(saying))[0] == 0, saying
-    (lines,) = saying.values()
+    first = {worker: lines for worker, lines in saying.items() if worker[0] == 0}
+    assert len(first) == 1, saying
+    ((_, rank), lines), = first.items()
     assert lines[-1] == f"elastictrain: error: {message}", lines
     if override.startswith("dist."):  # met in fit(): the rank's log line says where, the command line's says it again
-        assert len(lines) == 2 and lines[0].endswith(f"ERROR rank {next(iter(saying))[1]} stopped in state SETUP at "
-                                                     f"step 0: {message}"), lines
+        assert len(lines) == 2 and lines[0].endswith(f"ERROR rank {rank} stopped in state SETUP at step 0: {message}"), lines
     else:
         assert len(lines) == 1, lines
+    # Each later attempt: the node's local rank 0 says it again, in one line, and stops before importing torch.
+    later_lines = {worker: lines for worker, lines in saying.items() if worker[0] > 0}
+    assert later_lines == {(attempt, 0): [f"elastictrain: error: {message} (rank {rank} met it in attempt 0; restart "
+                                          f"{attempt} stopped at once: no restart can fix it)"] for attempt in (1, 2)}, \
+        later_lines
     assert not any("skipped" in text for text in stderr.values())
     later = {worker: text for worker, text in stderr.items() if worker[0] > 0}
     assert not any(TORCH_IMPORTED.search(text) for text in later.values()), \
@@ -129,8 +139,8 @@ def test_the_first_rank_to_meet_a_fatal_error_says_it_and_later_attempts_find_it
     assert not claim_line(second, torchrun_env(run_dir, 0, 0)), "its peer of the same attempt stays silent"
     assert claim_line(PeerLost("rank 0 lost a peer"), torchrun_env(run_dir, 0, 0)), "retryable: every rank says its own"
     assert earlier_attempt_failed(torchrun_env(run_dir, 0, 0)) is None, "this very attempt: it meets the error itself"
-    assert earlier_attempt_failed(torchrun_env(run_dir, 2, 0)) == FatalRecord(restart=0, rank=1, kind="ConfigError",
-                                                                              exit_code=2)
+    assert earlier_attempt_failed(torchrun_env(run_dir, 2, 0)) == FatalRecord(
+        restart=0, rank=1, kind="ConfigError", exit_code=2, message="unknown key 'train.bach_size'")
     assert marker_path(torchrun_env(run_dir, 0, 0)) == run_dir / "elastictrain-fatal-error.json"
 
 
@@ -146,3 +156,121 @@ def test_without_torchrun_s_layout_every_process_says_its_error(tmp_path, layout
         assert claim_line(ConfigError("unknown key"), {**environ, "RANK": str(rank)})
     assert earlier_attempt_failed({**environ, "TORCHELASTIC_RESTART_COUNT": "2"} if environ else {}) is None
     assert not list(tmp_path.rglob("elastictrain-fatal-error.json"))
+
+
+def test_a_later_attempt_stops_on_import_with_the_line_said_by_local_rank_0_only(tmp_path, capsys):
+    from elastictrain.errors import UsageError
+    from elastictrain.fatal import claim_line, stop_if_an_earlier_attempt_failed
+
+    run_dir = tmp_path / "none_abc123"
+    run_dir.mkdir()
+    stop_if_an_earlier_attempt_failed({**torchrun_env(run_dir, 0, 0), "LOCAL_RANK": "0"})  # nothing recorded: goes on
+    assert claim_line(UsageError("session.step() twice"), torchrun_env(run_dir, 0, 1))
+    for local_rank, says in (("0", True), ("1", False)):
+        with pytest.raises(SystemExit) as stopped:
+            stop_if_an_earlier_attempt_failed({**torchrun_env(run_dir, 1, int(local_rank)), "LOCAL_RANK": local_rank})
+        assert stopped.value.code == 2
+        said = capsys.readouterr().err.splitlines()
+        assert said == (["elastictrain: error: session.step() twice (rank 1 met it in attempt 0; restart 1 stopped at "
+                         "once: no restart can fix it)"] if says else []), said
+    stop_if_an_earlier_attempt_failed({**torchrun_env(run_dir, 0, 0), "LOCAL_RANK": "0"})  # its own attempt: goes on
+
+
+def crash(kind="RuntimeError", message="boom", step=30, restart=0, rank=1):
+    from elastictrain.repeats import Crash
+
+    return Crash(kind, message, step, restart, rank)
+
+
+@pytest.mark.parametrize("earlier, now, repeats", [
+    ([], crash(restart=1), None),
+    ([crash()], crash(restart=1), 0),  # the same exception at the same step after a restore: a bug
+    ([crash()], crash(restart=1, rank=0), 0),  # on another rank (the world may have changed): the same bug
+    ([crash()], crash(restart=0, rank=0), None),  # another rank of the same attempt: not a replay
+    ([crash()], crash(restart=1, step=31), None),  # another step: a fault that recurs, the restart is the answer
+    ([crash()], crash(restart=1, message="boom 2"), None),
+    ([crash()], crash(restart=1, kind="ValueError"), None),
+    ([crash(step=12), crash(restart=1, step=30)], crash(restart=2), 1),  # the attempt before it, not the one before that
+], ids=["first", "repeat", "other-rank", "same-attempt", "other-step", "other-message", "other-type", "newest-match"])
+def test_a_crash_repeats_when_an_earlier_attempt_crashed_the_same_way_at_the_same_step(earlier, now, repeats):
+    from elastictrain.repeats import first_occurrence
+
+    found = first_occurrence(earlier, now)
+    assert (found.restart if found else None) == repeats
+
+
+def test_crashes_are_recorded_per_attempt_in_torchrun_s_run_directory(tmp_path):
+    from elastictrain.repeats import CRASHES_NAME, record_crash
+
+    run_dir = tmp_path / "none_abc123"
+    run_dir.mkdir()
+    assert record_crash(RuntimeError("boom"), 30, torchrun_env(run_dir, 0, 1)) is None
+    assert record_crash(RuntimeError("other"), 30, torchrun_env(run_dir, 1, 1)) is None  # a fault: restart
+    repeated = record_crash(RuntimeError("boom"), 30, torchrun_env(run_dir, 2, 1))
+    assert repeated == crash(restart=0)
+    assert len((run_dir / CRASHES_NAME).read_text().splitlines()) == 3
+    assert record_crash(RuntimeError("boom"), 30, {}) is None  # outside torchrun: nothing restarts, nothing recorded
+
+
+CRASHES_IN_STEP_31 = textwrap.dedent('''
+    import sys
+    import elastictrain  # before torch: an attempt after an error no restart can fix stops here
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    config = {"run": {"dir": sys.argv[1]}, "train": {"max_epochs": 1, "batch_size": 4, "log_every_steps": 10},
+              "snapshot": {"durable": {"every_steps": 10}}, "log": {"plots": False, "progress_bar": False}}
+    generator = torch.Generator().manual_seed(0)
+    points = TensorDataset(torch.randn(512, 4, generator=generator), torch.randn(512, 1, generator=generator))
+    with elastictrain.Session(config) as session:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        wrapped = session.wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(points)
+        session.restore()
+        for epoch in session.epochs():
+            for inputs, targets in loader:
+                if session.rank == 1 and session.global_step == 30:
+                    raise RuntimeError("the user's bug in step 31")
+                loss = nn.functional.mse_loss(wrapped(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                session.step(loss=loss)
+''')
+
+
+@pytest.mark.slow
+def test_a_crash_that_repeats_at_the_same_step_stops_at_its_second_occurrence_and_later_attempts_cost_nothing(tmp_path):
+    script, log_dir, run_dir = tmp_path / "train.py", tmp_path / "torchrun-logs", tmp_path / "run"
+    script.write_text(CRASHES_IN_STEP_31)
+    launcher = [*torchrun_launcher(max_restarts=3), f"--log-dir={log_dir}", "--redirects=3"]
+    job = procs.launch([*launcher, str(script), str(run_dir)], log_path=tmp_path / "job.log",
+                       env={**job_env(), "PYTHONPROFILEIMPORTTIME": "1"}, cwd=tmp_path)
+    assert job.wait(TIMEOUT_S) != 0
+    stderr = worker_stderr(log_dir)
+    assert {attempt for attempt, _ in stderr} == {0, 1, 2, 3}, sorted(stderr)  # plain torchrun restarts regardless
+    everything = "\n".join(stderr.values())
+    # The first occurrence: a bug, its traceback once (not again by Python's hook), and a restart.
+    assert everything.count("Traceback (most recent call last)") == 1, everything[-4000:]
+    assert stderr[0, 1].count("RuntimeError: the user's bug in step 31") == 1, stderr[0, 1][-3000:]
+    # The second, after the restore of step 30: one line saying it is a bug.
+    repeated = ("RuntimeError: the user's bug in step 31 again in state TRAIN at step 30, as in attempt 0 on rank 1 (its "
+                "traceback is above): a restart replays the same steps, so this is a bug to fix, not a fault; no more "
+                "restarts, every snapshot is kept")
+    assert re.search(r"restored snapshot \S+: step 30", stderr[1, 0]), stderr[1, 0][-3000:]
+    assert said(stderr[1, 1])[-1] == f"elastictrain: error: {repeated}", said(stderr[1, 1])[-5:]
+    # Later attempts: one line from local rank 0, no restore, no torch.
+    for attempt in (2, 3):
+        assert said(stderr[attempt, 0]) == [f"elastictrain: error: {repeated} (rank 1 met it in attempt 1; "
+                                                       f"restart {attempt} stopped at once: no restart can fix it)"]
+        assert said(stderr[attempt, 1]) == []
+        assert not any(TORCH_IMPORTED.search(stderr[attempt, rank]) or "restored" in stderr[attempt, rank]
+                       for rank in (0, 1)), stderr[attempt, 0][-3000:]
+    assert TORCH_IMPORTED.search(stderr[0, 0])  # the check can see an import
+    from elastictrain.storage import SnapshotStore
+
+    assert SnapshotStore(str(run_dir / "snapshots")).latest_valid()[0].step == 30  # every snapshot kept

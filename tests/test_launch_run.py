@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import textwrap
 
 import pytest
 
@@ -20,14 +21,15 @@ TIMEOUT_S = 120
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 
-def wrapper_command(overrides: list[str], *, max_restarts: int = 3) -> list[str]:
-    """`elastictrain-run <torchrun flags> -m elastictrain train OVERRIDES`, from this interpreter."""
+def wrapper_command(overrides: list[str], *, max_restarts: int = 3, target: tuple[str, ...] = ("-m", "elastictrain", "train")
+                    ) -> list[str]:
+    """`elastictrain-run <torchrun flags> -m elastictrain train OVERRIDES` (or another target), from this interpreter."""
     return [
         sys.executable, "-m", "elastictrain.launch",
         "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--shutdown-timeout=60",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        "-m", "elastictrain", "train", *overrides,
+        *target, *overrides,
     ]
 
 
@@ -51,16 +53,92 @@ def test_sigterm_to_the_launcher_leaves_a_snapshot_and_exits_143_without_traceba
     assert job.leftover_pids() == []
 
 
+ATTEMPT_FAILED = "failed (exitcode: "  # torch's agent, once for each attempt that failed (its first failed worker)
+
+
 @pytest.mark.torchrun
-def test_a_config_error_under_the_launcher_exits_2_without_traceback(tmp_path):
-    job = procs.launch(wrapper_command([f"run.dir={tmp_path / 'run'}", "train.max_epohcs=3"], max_restarts=1),
+def test_a_config_error_under_the_launcher_ends_the_first_attempt_exits_2_with_its_line_last(tmp_path):
+    job = procs.launch(wrapper_command([f"run.dir={tmp_path / 'run'}", "train.max_epohcs=3"], max_restarts=10),
                        log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
     code = job.wait(TIMEOUT_S)
     output = job.output()
     assert code == 2, output[-4000:]
+    assert output.count(ATTEMPT_FAILED) == 1, output[-4000:]  # 10 restarts allowed; none made
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
-    assert "max_epohcs" in output, "the worker's own one-line message names the key"
-    assert re.search(r"elastictrain-run: config error \(.*rank \d exited 2.*\).*exiting 2", output), output[-4000:]
+    assert re.fullmatch(re.escape(
+        "elastictrain-run: error: invalid config (defaults + overrides): unknown key 'train.max_epohcs' (did you mean "
+        "'train.max_epochs'?) (rank ") + r"\d" + re.escape(", attempt 0; no restart can fix it, so none was made); exiting 2"),
+        output.rstrip().splitlines()[-1]), output[-4000:]
+    assert job.leftover_pids() == []
+
+
+MISUSED_SESSION = textwrap.dedent('''
+    import sys
+    import elastictrain
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    config = {"run": {"dir": sys.argv[1]}, "train": {"max_epochs": 2, "batch_size": 4},
+              "log": {"plots": False, "progress_bar": False}}
+    generator = torch.Generator().manual_seed(0)
+    points = TensorDataset(torch.randn(256, 4, generator=generator), torch.randn(256, 1, generator=generator))
+
+
+    def train(session, loader, model, wrapped, optimizer):
+        for epoch in session.epochs():
+            for inputs, targets in loader:
+                loss = nn.functional.mse_loss(wrapped(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if sys.argv[2] == "steps-on-rank-0-only":
+                    if session.is_main:
+                        session.step(loss=loss)
+                    continue
+                session.step(loss=loss)
+                if session.rank == 0 and session.global_step == 5:  # rank-0-leaves
+                    return
+
+
+    with elastictrain.Session(config) as session:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        wrapped = session.wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        session.register(model=model, optimizer=optimizer)
+        loader = session.loader(points)
+        session.restore()
+        train(session, loader, model, wrapped, optimizer)
+''')
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("misuse, line", [
+    ("steps-on-rank-0-only", "rank 1 asked the loader for the next step's micro-batches without session.step() after "
+                             "the 1 it took: call session.step() on every rank, once per optimizer step (a rank that "
+                             "skips it leaves the others waiting in a collective) (rank 1"),
+    ("rank-0-leaves", "rank 0 left the session at step 5 before the run was done while the other ranks trained on: "
+                      "every rank runs session.epochs() to its end (or all leave at the same step), calling "
+                      "session.step() once per optimizer step (rank 0"),
+])
+def test_session_step_on_some_ranks_only_ends_the_first_attempt_with_one_line_exit_2(tmp_path, misuse, line):
+    # Before: a 30 s watchdog hang with stack dumps (or a lost peer), then the same in every restart.
+    script = tmp_path / "train.py"
+    script.write_text(MISUSED_SESSION)
+    job = procs.launch(wrapper_command([str(tmp_path / "run"), misuse], max_restarts=3, target=(str(script),)),
+                       log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
+    code = job.wait(TIMEOUT_S)
+    output = job.output()
+    assert code == 2, output[-4000:]
+    assert output.count(ATTEMPT_FAILED) == 1, output[-4000:]
+    assert "Traceback" not in output and "no progress for" not in output, output[-4000:]
+    # The rank left waiting says why no restart follows, rather than that one does.
+    assert re.search(r"rank \d lost a peer in state TRAIN at step \d+ \(Connection closed by peer \S+\.\); rank \d "
+                     r"stopped on a UsageError no restart can fix \(its line is above\)", output), output[-4000:]
+    assert "the launcher restarts the group" not in output, output[-4000:]
+    assert output.rstrip().splitlines()[-1] == (f"elastictrain-run: error: {line}, attempt 0; no restart can fix it, "
+                                                "so none was made); exiting 2"), output[-4000:]
     assert job.leftover_pids() == []
 
 

@@ -166,3 +166,36 @@ def test_a_bug_leaves_the_program_the_normal_way_with_its_traceback(tmp_path):
                           env=job_env(), cwd=REPO_ROOT, timeout=60)
     assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError: 'a bug'" in done.stderr
     assert (tmp_path / "atexit").exists() and (tmp_path / "module-teardown").exists()
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:54499. This is typically caused by a remote worker crashing, or by the remote worker being "
+               "killed.")
+
+
+@pytest.mark.parametrize("text, reason", [
+    (GLOO_CLOSED, "Connection closed by peer [127.0.0.1]:54499."),  # before: "... caused by a remote worker )"
+    ("Timed out waiting 1800000ms for send operation to complete", "Timed out waiting 1800000ms for send operation to complete"),
+    ("word " * 40, "word " * 31 + "word ..."),  # cut at a word, and said to be cut
+])
+def test_a_lost_peer_s_reason_is_the_first_sentence_cut_at_a_word(text, reason):
+    from elastictrain.failures import peer_loss_reason
+
+    assert peer_loss_reason(text) == reason
+
+
+def test_a_peer_that_recorded_an_error_no_restart_can_fix_is_named_instead_of_a_restart():
+    import json
+
+    import torch.distributed as tdist
+
+    from elastictrain.dist import FATAL_KEY, DistContext, recorded_fatal_error
+    from elastictrain.launch_env import LaunchEnv
+
+    store = tdist.HashStore()
+    ctx = DistContext(LaunchEnv("torchrun"), True, None, "gloo", 60.0, store, "round-2")
+    assert recorded_fatal_error(ctx) is None
+    store.set(FATAL_KEY, json.dumps({"restart": 0, "round": "round-1", "rank": 0, "exit_code": 2, "kind": "UsageError"}))
+    assert recorded_fatal_error(ctx) is None  # an earlier round's: this one's setup would have stopped on it
+    store.set(FATAL_KEY, json.dumps({"restart": 0, "round": "round-2", "rank": 0, "exit_code": 2, "kind": "UsageError"}))
+    assert recorded_fatal_error(ctx)["kind"] == "UsageError"

@@ -85,6 +85,23 @@ def test_a_step_after_the_wrong_number_of_micro_batches_is_one_line(tmp_path, ca
         "call step() once per optimizer step")
 
 
+def test_a_rank_that_skips_session_step_is_one_line_at_its_next_batch(tmp_path, capsys):
+    # Under torchrun, `if session.is_main: session.step()` left the other ranks in mismatched collectives until the
+    # watchdog's 30 s; the rank that skips step() now says so before it reads the next step's batches.
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = session.loader(points())
+        session.restore()
+        for _inputs, _labels in loader:
+            pass
+
+    assert misuse(capsys, config(tmp_path), body) == (
+        "rank 0 asked the loader for the next step's micro-batches without session.step() after the 1 it took: call "
+        "session.step() on every rank, once per optimizer step (a rank that skips it leaves the others waiting in a "
+        "collective)")
+
+
 def test_a_wrapped_model_that_is_not_registered_is_one_line(tmp_path, capsys):
     def body(session):
         model, other = mlp(), nn.Linear(4, 2)
@@ -104,6 +121,54 @@ def test_restore_without_a_model_is_one_line(tmp_path, capsys):
         session.restore()
 
     assert misuse(capsys, config(tmp_path), body).startswith("session.restore() with no model registered")
+
+
+def set_up(session, dataset=None, evaluate=None):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session.register(model=model, optimizer=optimizer)
+    loader = session.loader(points() if dataset is None else dataset)
+    if evaluate is not None:
+        session.evaluate_with(evaluate)
+    session.restore()
+    return model, optimizer, loader
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("a DataLoader", "the dataset given to session.loader() is a DataLoader; pass the Dataset it loads (its .dataset): "
+                     "elastictrain builds the loader itself, sharded across ranks and resumable mid-epoch (batch size: "
+                     "train.batch_size; a collate_fn: pass it too)"),
+    ("an empty dataset", "the dataset given to session.loader() is empty: its Dataset has 0 samples; check what it "
+                         "reads (a path, a filter, a split)"),
+    ("evaluate returns a float", "the function given to session.evaluate_with() returned a float; it returns a dict of "
+                                 "metric names to numbers, e.g. {'loss': 0.31, 'accuracy': 0.92}"),
+    ("evaluate returns a vector", "the function given to session.evaluate_with() returned 'accuracy' as a Tensor of "
+                                  "shape (4,); metrics are scalars: return {'accuracy': x.mean()}"),
+    ("a per-sample loss", "session.step(loss=...) got a Tensor of shape (8,); logged values are scalars, the mean over "
+                          "the step's samples: pass loss=x.mean()"),
+    ("total_steps before loader", "session.total_steps is known once session.loader() has the training set (or "
+                                  "train.max_steps is set): call session.loader() first"),
+])
+def test_mistakes_found_late_are_one_line_at_once(tmp_path, capsys, case, expected):
+    def body(session):
+        if case == "a DataLoader":
+            set_up(session, torch.utils.data.DataLoader(points(), batch_size=8))
+        elif case == "an empty dataset":
+            set_up(session, points(0))
+        elif case.startswith("evaluate returns"):
+            result = 0.5 if case.endswith("float") else {"accuracy": torch.ones(4)}
+            model, _, loader = set_up(session, evaluate=lambda: result)
+            for inputs, labels in loader:  # an epoch: the evaluation at its end
+                session.step(loss=F.cross_entropy(model(inputs), labels))
+        elif case == "a per-sample loss":
+            model, _, loader = set_up(session)
+            inputs, labels = next(iter(loader))
+            session.step(loss=F.cross_entropy(model(inputs), labels, reduction="none"))
+        else:
+            torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD(mlp().parameters(), lr=0.1),
+                                                       T_max=session.total_steps)
+
+    assert misuse(capsys, config(tmp_path), body) == expected
 
 
 def custom_loop(cfg: dict, fail_in_step: int | None = None, left_out: tuple[str, ...] = ()) -> Session:

@@ -146,6 +146,35 @@ def test_a_list_of_optimizers_is_refused_when_the_trainer_is_built():
     )
 
 
+@pytest.mark.parametrize("mistake, expected", [
+    ("train_data", "train_data is a DataLoader; pass the Dataset it loads (its .dataset): elastictrain builds the "
+                   "loader itself, sharded across ranks and resumable mid-epoch (batch size: train.batch_size; a "
+                   "collate_fn: pass it too)"),  # before: 'DataLoader' object is not subscriptable, 3 restarts
+    ("val_data", "val_data is a DataLoader; pass the Dataset it loads (its .dataset): elastictrain builds the loader "
+                 "itself, sharded across ranks and resumable mid-epoch (batch size: train.batch_size; a collate_fn: "
+                 "pass it too)"),
+    ("scheduler", "lr_scheduler test_mistakes_in_the_trainer_s_arguments_are_one_line_when_it_is_built.<locals>."
+                  "<lambda>(optimizer) cannot be called as factory(optimizer, total_steps): a scheduler factory takes "
+                  "both, e.g. lambda optimizer, total_steps: CosineAnnealingLR(optimizer, T_max=total_steps); or pass "
+                  "a built scheduler"),  # before: a 31-line TypeError after the restore
+])
+def test_mistakes_in_the_trainer_s_arguments_are_one_line_when_it_is_built(mistake, expected):
+    from elastictrain.errors import UsageError
+
+    task = spirals.build(**SMALL)
+    arguments = {"val_data": task.val_data, "lr_scheduler": None}
+    train_data = task.train_data
+    if mistake == "train_data":
+        train_data = torch.utils.data.DataLoader(task.train_data, batch_size=16)
+    elif mistake == "val_data":
+        arguments["val_data"] = torch.utils.data.DataLoader(task.val_data, batch_size=16)
+    else:
+        arguments["lr_scheduler"] = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    with pytest.raises(UsageError) as caught:
+        Trainer(task.model, task.optimizer, train_data, task.loss_fn, **arguments)
+    assert str(caught.value) == expected
+
+
 def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr(monkeypatch):
     """Found by the chaos soak: a rollback restores into the running optimizer, whose lr a scheduler has moved since
     the snapshot; what the user chose (the starting lr) is the same, so no "start fresh" advice."""

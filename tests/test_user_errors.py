@@ -177,8 +177,11 @@ def test_a_config_error_in_a_script_is_one_line_and_exit_2(tmp_path):
 def test_a_bug_in_loss_fn_keeps_its_traceback(tmp_path):
     result = run_user_script(tmp_path, "bug")
     assert result.returncode == 1
-    assert "Traceback (most recent call last)" in result.stderr
-    assert result.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert result.stderr.count("Traceback (most recent call last)") == 1, result.stderr  # logged; not printed again
+    # The traceback, logged by the session, is followed by its move to FAILED only.
+    assert result.stderr.rstrip().splitlines()[-2:] == ["ZeroDivisionError: division by zero",
+                                                        result.stderr.rstrip().splitlines()[-1]]
+    assert result.stderr.rstrip().endswith("INFO state TRAIN -> FAILED at step 0"), result.stderr[-2000:]
     assert "elastictrain: error:" not in result.stderr
 
 
@@ -258,7 +261,7 @@ def build_with_a_bug(hidden: int = 8) -> Task:
          "sequence: expected ',' or ']', but got '<stream end>' at column 4); values are parsed as YAML (64, 1e-3, "
          "true, null, [1, 2], {a: 1}): fix it, or put it in quotes to pass a string"),
         (["--config", "conf"],
-         "config file conf is a directory; pass a YAML file such as conf/default.yaml to --config"),
+         "config file conf is a directory; pass a YAML file such as conf/default.yaml"),
         (["task.args.hidden=abc"],
          "task.args.hidden='abc' is a str, but elastictrain.tasks.spirals:build takes hidden: int; fix task.args.hidden"),
         (["task.args.lr=1e-3"],
@@ -312,3 +315,26 @@ def test_metric_keys_that_change_between_steps_are_one_line_naming_them():
         sums.add(4, {"loss": torch.tensor(2.0), "accuracy": torch.tensor(0.5), "grad_norm": torch.tensor(1.0)})
     with pytest.raises(LossFnError, match=r"^loss_fn returned the metric keys \['loss'\] after"):
         sums.add(4, {"loss": torch.tensor(2.0)})
+
+
+def test_snapshot_documents_as_json_have_null_where_python_would_write_nan():
+    import json
+
+    from elastictrain.cli import strict_json
+
+    document = {"history": [{"step": 1, "train_loss": float("nan"), "grad_norm": float("inf")}], "best": -float("inf"),
+                "steps": (1, 2.5)}
+    text = json.dumps(strict_json(document), allow_nan=False)  # before: NaN and Infinity, which strict parsers reject
+    assert json.loads(text) == {"history": [{"step": 1, "train_loss": None, "grad_norm": None}], "best": None,
+                                "steps": [1, 2.5]}
+
+
+@pytest.mark.parametrize("per_step, configured, hint", [(2, 2, False), (2, 1, True)])
+def test_a_step_after_too_few_micro_batches_names_the_elastic_policy_when_it_chose_them(per_step, configured, hint):
+    from elastictrain.train_data import wrong_micro_batches
+
+    message = str(wrong_micro_batches(1, per_step, configured))
+    assert message.startswith(f"session.step() after 1 micro-batch(es) of the loader; a step takes {per_step} "
+                              "(session.grad_accum_steps): call step() once per optimizer step")
+    assert ("train.on_world_size_change=keep_global_batch): iterate loader.steps()" in message and
+            "or set train.on_world_size_change=keep_rank_batch" in message) == hint, message

@@ -82,7 +82,7 @@ def test_a_worker_that_raises_fails_alone_with_its_traceback_and_its_peer_leaves
     assert_bitwise(tmp_path, reference_run, output)
 
 
-def test_an_error_no_restart_can_fix_is_reported_once_and_later_restarts_stop_silently(tmp_path, reference_run):
+def test_an_error_no_restart_can_fix_is_reported_once_and_later_restarts_stop_at_once(tmp_path, reference_run):
     # The snapshots of a finished run of the test job (hidden=64), copied: no need to train one more.
     shutil.copytree(reference_run.workdir / "run" / "snapshots", tmp_path / "run" / "snapshots")
     before = [s.step for s in SnapshotStore(str(tmp_path / "run" / "snapshots")).list_snapshots()]
@@ -94,9 +94,12 @@ def test_an_error_no_restart_can_fix_is_reported_once_and_later_restarts_stop_si
     print(f"2 attempts of a non-retryable error: {time.monotonic() - started:.1f} s")
     # Attempt 0: the first rank of the node to meet it says it, as one line; the other rank stays silent.
     assert len(re.findall(r"a0\] ERROR rank \d stopped in state RESTORE at step 0: snapshot .* was saved from a different model", output)) == 1
-    # The restart stops before it imports torch (fatal.py), without a word: the message is above.
+    # The restart stops before it imports torch (fatal.py), local rank 0 repeating the line once.
     assert "a1]" not in output and "skipped" not in other_model.output()
-    assert other_model.output().count("was saved from a different model") == 2  # that rank's log line and its CLI line
+    # That rank's log line and its CLI line, then the restart's.
+    assert other_model.output().count("was saved from a different model") == 3, other_model.output()[-3000:]
+    assert re.search(r"was saved from a different model.*\(rank \d met it in attempt 0; restart 1 stopped at once: no "
+                     r"restart can fix it\)", other_model.output())
     assert "Traceback" not in output
     assert [s.step for s in SnapshotStore(str(tmp_path / "run" / "snapshots")).list_snapshots()] == before
 
