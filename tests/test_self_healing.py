@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +186,38 @@ def test_a_custom_loop_heals_a_poisoned_sample_and_a_transient_fault(tmp_path):
     assert "rolled back to step 6 from the node-local tier of node 0" in faulted.output, faulted.output[-4000:]
     assert faulted.summary["params_sha256"] == results["reference"].summary["params_sha256"]
     assert results["reference"].summary["params_sha256"] != results["skip-reference"].summary["params_sha256"]
+
+
+# -- the replica check -----------------------------------------------------------------------------
+
+def committed_steps(root) -> list[int]:
+    return sorted(int(manifest.parent.name.removeprefix("step-")) for manifest in root.rglob("manifest.json"))
+
+
+@pytest.mark.parametrize("raw_from, fast_every, step, stops_before, durable, fast", [
+    (4, 3, 5, "the durable snapshot", [], [3]),  # the fast copy of step 3 agreed; the durable snapshot of step 5 does not
+    (6, 2, 6, "the fast copy", [5], [4, 5]),  # steps 2, 4 and 5 agreed; the fast copy of step 6 does not
+], ids=["durable", "fast-copy"])
+def test_a_loop_calling_the_module_instead_of_its_wrapper_stops_before_committing_and_is_not_restarted(
+        tmp_path, raw_from, fast_every, step, stops_before, durable, fast):
+    """Each rank trains its own copy from step ``raw_from``: the next snapshot's check stops the run in one line naming
+    the ranks; nothing of that step is committed in either tier, and the restarts stop before training."""
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    command = [*torchrun_launcher(max_restarts=1), str(REPO_ROOT / "tests" / "helpers" / "healing_loop.py"),
+               f"run.dir={workdir / 'run'}", f"snapshot.local.url={tmp_path / 'shm'}",
+               f"snapshot.local.every_steps={fast_every}"]
+    job = procs.launch(command, log_path=workdir / "job.log", env={**job_env(), "HEAL_RAW_FROM": str(raw_from)},
+                       cwd=workdir)
+    assert job.wait(TIMEOUT_S) != 0
+    output = job.output()
+    said = [line for line in output.splitlines() if "the ranks' replicas differ" in line]
+    expected = (f"the ranks' replicas differ at step {step}, before {stops_before}: ranks 0 | 1 hold different 'model' "
+                "(parameters), 'optimizer' (optimizer state); nothing of this step was committed.")
+    assert said and all(expected in line for line in said), output[-5000:]
+    logged = [line for line in said if " ERROR rank " in line]  # one rank of the node says it (its script may repeat it)
+    assert len(logged) == 1 and re.search(r"\[elastictrain r(\d) a0\] ERROR rank \1 stopped in state ", logged[0]), said
+    assert not [line for line in output.splitlines() if 'File "' in line and "/elastictrain/" in line], output[-5000:]
+    assert start_steps(output) == [0], "the error is recorded for the restarts, which stop before restoring"
+    assert committed_steps(workdir / "run" / "snapshots") == durable
+    assert committed_steps(tmp_path / "shm") == fast

@@ -4,7 +4,8 @@
 
 ``HEAL_POISON=<index>`` makes that training sample NaN; ``HEAL_FAULT=<step>:<rank>:<dir>`` sets one gradient
 element to inf on that rank after the backward (after DDP's all-reduce) at that step, once per job (a marker
-in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on.
+in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on. ``HEAL_RAW_FROM=<step>``
+calls the module itself instead of its DDP wrapper from that step on: each rank then trains its own copy.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main(overrides: list[str]) -> None:
     fault = os.environ.get("HEAL_FAULT")
     fault_step, fault_rank, marker = (int(fault.split(":")[0]), fault.split(":")[1],
                                       Path(fault.split(":")[2]) / "fault.done") if fault else (-1, "", None)
+    raw_from = int(os.environ.get("HEAL_RAW_FROM", "0")) or None
     with Session(CONFIG, overrides) as session:
         torch.manual_seed(session.cfg.run.seed)
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
@@ -52,9 +54,9 @@ def main(overrides: list[str]) -> None:
         session.restore()
         for _epoch in session.epochs():
             for inputs, labels in loader:
-                loss = F.cross_entropy(ddp(inputs), labels)
-                loss.backward()
                 step = session.global_step + 1
+                loss = F.cross_entropy((model if raw_from is not None and step >= raw_from else ddp)(inputs), labels)
+                loss.backward()
                 if step == fault_step and str(session.rank) == fault_rank and not marker.exists():
                     marker.write_text(str(step))
                     next(model.parameters()).grad.view(-1)[0] = float("inf")
