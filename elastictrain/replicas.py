@@ -100,7 +100,7 @@ class ReplicaCheck:
     def __init__(self, ctx: DistContext, objects: dict[str, Any], enabled: bool) -> None:
         self.ctx = ctx
         self.objects = {name: obj for name, obj in objects.items() if isinstance(obj, (nn.Module, torch.optim.Optimizer))}
-        self.enabled = enabled and ctx.distributed and bool(self.objects)
+        self.enabled = enabled and ctx.world_size > 1 and bool(self.objects)
 
     def check(self, step: int, before: str) -> None:
         """Raise ReplicasDiverged on every rank alike when any rank's replicated state differs from another's."""
@@ -149,8 +149,10 @@ def _digest(items: Iterator[tuple[str, Any]]) -> int:
                 continue
             hasher.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
             hasher.update(_bytes_of(tensor))
-        else:
+        elif isinstance(value, (bool, int, float, str, type(None))):
             hasher.update(f"{key}={value!r}".encode())
+        else:  # an object of its own (a callable in a param group): its repr may hold a per-process address
+            hasher.update(f"{key}:{type(value).__qualname__}".encode())
     return hasher.intdigest()
 
 
