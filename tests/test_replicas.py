@@ -141,15 +141,15 @@ def test_the_line_names_step_ranks_and_objects():
 def _rank(rank: int, port: int, through_wrapper: bool, results) -> None:
     from elastictrain.ddp import wrap_model
     from elastictrain.config import DistConfig
-    from elastictrain.dist import DistContext
+    from elastictrain.dist import DistContext, teardown
     from elastictrain.errors import ReplicasDiverged
     from elastictrain.launch_env import LaunchEnv
     from elastictrain.replicas import ReplicaCheck
 
     store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
     tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
     try:
-        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -170,7 +170,7 @@ def _rank(rank: int, port: int, through_wrapper: bool, results) -> None:
         except ReplicasDiverged as exc:
             results.put((rank, str(exc), bn_means_differ))
     finally:
-        tdist.destroy_process_group()
+        teardown(ctx)  # not a bare destroy_process_group(): gloo's threads can abort the exit (dist.teardown says why)
 
 
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["ddp", "raw-module"])
@@ -199,7 +199,7 @@ def test_on_two_gloo_ranks_ddp_passes_and_the_raw_module_stops_both_ranks_naming
         assert all(bn_means_differ)  # BatchNorm's statistics differ per rank under DDP too: left out by design
         for worker in workers:
             worker.join(30)
-            assert worker.exitcode == 0
+        assert [worker.exitcode for worker in workers] == [0, 0]
     finally:
         for worker in workers:
             if worker.is_alive():
