@@ -22,8 +22,8 @@ What is replicated, and so compared, of each registered model and optimizer:
   the non-floating-point buffers, the optimizer's step counts and hyperparameters.
 
 A fingerprint is xxh3-64 of each tensor's bytes with its name, dtype and shape, one digest per
-object and part: exact to the bit, ~31 ms of CPU per ~200 MB on each rank, where float64 sums
-cost 35 times more and miss a swap of two elements (benchmarks/replica_check_cost.py). A tensor
+object and part: exact to the bit, ~33 ms of CPU per ~200 MB on each rank, where float64 sums
+cost 40 times more and miss a swap of two elements (benchmarks/replica_check_cost.py). A tensor
 on an accelerator is copied to the host to be hashed. Everything else a rank holds (its RNG, its
 data position, its metric sums) is its own and is not compared.
 """
