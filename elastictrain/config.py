@@ -243,6 +243,9 @@ class DistConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, sharded snapshots (docs/guides/fsdp.md)
     init_timeout_s: PositiveFloat = 60.0  # store connection and process-group set-up
     collective_timeout_s: PositiveFloat = 300.0  # any single collective
+    # Before every snapshot (both tiers) and at the end, the ranks compare a fingerprint of the registered models and
+    # optimizers and stop on a difference (a model trained without its session.wrap() wrapper): elastictrain/replicas.py
+    check_replicas: bool = True
 
 
 class LogConfig(_Section):

@@ -43,6 +43,11 @@ class UsageError(ElastictrainError):
     exit_code = 2
 
 
+class ReplicasDiverged(UsageError):
+    """The ranks' copies of the registered models or optimizers differ (replicas.py): each rank trained its own
+    (a model not wrapped by session.wrap(), or the module called instead of its wrapper)."""
+
+
 class ConfigError(ElastictrainError):
     """The config has a wrong key, a wrong type or a missing value."""
 

@@ -227,7 +227,7 @@ class Session:
             self.cfg, self.ctx, model, {**self.registry.statefuls(), **self.state.statefuls()}, self.state, self.events,
             train_samples=data.samples if data else None,
             rank_statefuls={**(data.rank_statefuls if data else {}), "train_sums": self.metrics.sums},
-            survivors_refused=survivors_refused)
+            survivors_refused=survivors_refused, replicated=self.registry.objects)
         self.plan = Plan.of(self.cfg, epochs=data is not None, evaluates=self._evaluate is not None,
                             fast_tier=self.tiers.local is not None)
         ctx = self.ctx

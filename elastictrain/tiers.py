@@ -21,6 +21,7 @@ from .config import Config
 from .dist import DistContext
 from .events import Observers, SnapshotReport
 from .registry import Registry
+from .replicas import ReplicaCheck
 from .runstate import RunState
 from .restore import Restored
 from .snapshotter import Snapshotter
@@ -32,8 +33,10 @@ log = logging.getLogger("elastictrain")
 class SnapshotTiers:
     def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any], state: RunState,
                  events: Observers, *, train_samples: int | None, rank_statefuls: dict[str, Any],
-                 survivors_refused: str | None = None) -> None:
+                 survivors_refused: str | None = None, replicated: dict[str, Any] | None = None) -> None:
         self.cfg, self.ctx, self.state, self.events = cfg, ctx, state, events
+        # Every snapshot, and the run's end, first checks that the ranks' replicas agree (replicas.py).
+        self.replicas = ReplicaCheck(ctx, replicated or {}, cfg.dist.check_replicas)
         self.durable = Snapshotter(cfg, ctx, model, statefuls, train_samples=train_samples, rank_statefuls=rank_statefuls)
         self.local = Snapshotter(cfg, ctx, model, statefuls, train_samples, rank_statefuls,
                                  tier="local") if cfg.local_snapshot_url else None
@@ -113,6 +116,7 @@ class SnapshotTiers:
     def take_durable(self, meta: dict[str, Any], wall_s: float) -> None:
         """SNAPSHOT: a durable snapshot of this step, and the fast copy of the same step (restarts read memory)."""
         progress = self.state.progress
+        self.replicas.check(progress.global_step, "the durable snapshot")
         progress.last_snapshot_step = progress.global_step
         if self.local is not None:
             progress.last_local_snapshot_step = progress.global_step
@@ -128,6 +132,7 @@ class SnapshotTiers:
     def take_local(self, meta: dict[str, Any], wall_s: float) -> None:
         """LOCAL_SNAPSHOT: each node's fast copy of this step."""
         progress = self.state.progress
+        self.replicas.check(progress.global_step, "the fast copy")
         progress.last_local_snapshot_step = progress.global_step
         self.state.run_log.current["wall_s"] = wall_s
         self._report(self.local.save(progress.global_step, meta))
@@ -165,6 +170,8 @@ class SnapshotTiers:
         """Before DONE or PREEMPTED: a snapshot written in the background ends, and all agree on it, first."""
         for report in self.durable.flush():
             self._snapshotted(report)
+        if done:  # the weights the run ends with, its summary's params_sha256: the same on every rank
+            self.replicas.check(step, "the run's end")
         # The node's memory is given back when the run is done, or stops with its step in the durable store.
         last = self.durable.last_committed
         if self.local is not None and (done or (last is not None and last[0] == step)):

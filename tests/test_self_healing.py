@@ -226,3 +226,47 @@ def test_skip_on_a_fault_in_one_ranks_gradients_is_taken_by_every_rank_in_a_cust
     assert hashes.keys() == {0, 1} and hashes[0] == hashes[1], hashes
     said = [line for line in warnings(trained.output) if line.startswith("anomaly at step")]
     assert len(said) == 1 and said[0].startswith(f"anomaly at step {FAULT_STEP}: gradient norm inf on rank(s) 1 ("), said
+
+
+# -- the replica check -----------------------------------------------------------------------------
+
+def committed_steps(root) -> list[int]:
+    return sorted(int(manifest.parent.name.removeprefix("step-")) for manifest in root.rglob("manifest.json"))
+
+
+FAST_EVERY = "snapshot.local.every_steps="
+
+
+@pytest.mark.parametrize("raw_from, overrides, step, stops_before, durable, fast", [
+    # The fast copy of step 3 agreed; the durable snapshot of step 5 does not.
+    (4, [f"{FAST_EVERY}3"], 5, "the durable snapshot", [], [3]),
+    # Steps 2, 4 and 5 agreed; the fast copy of step 6 does not.
+    (6, [f"{FAST_EVERY}2"], 6, "the fast copy", [5], [4, 5]),
+    # No snapshot at all: the run's end (all 32 steps) is checked, and its summary line is never printed.
+    (1, ["snapshot.local.url=null", "snapshot.durable.every_steps=0", "snapshot.durable.on_done=false"], 32,
+     "the run's end", [], []),
+], ids=["durable", "fast-copy", "end"])
+def test_a_loop_calling_the_module_instead_of_its_wrapper_stops_before_committing_and_is_not_restarted(
+        tmp_path, raw_from, overrides, step, stops_before, durable, fast):
+    """Each rank trains its own copy from step ``raw_from``: the next snapshot's check (or the run's end) stops the run
+    in one line naming the ranks; nothing of that step is committed in either tier, and the restarts stop before
+    training."""
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    command = [*torchrun_launcher(max_restarts=1), str(REPO_ROOT / "tests" / "helpers" / "healing_loop.py"),
+               f"run.dir={workdir / 'run'}", f"snapshot.local.url={tmp_path / 'shm'}", *overrides]
+    job = procs.launch(command, log_path=workdir / "job.log", env={**job_env(), "HEAL_RAW_FROM": str(raw_from)},
+                       cwd=workdir)
+    assert job.wait(TIMEOUT_S) != 0
+    output = job.output()
+    said = [line for line in output.splitlines() if "the ranks' replicas differ" in line]
+    expected = (f"the ranks' replicas differ at step {step}, before {stops_before}: ranks 0 | 1 hold different 'model' "
+                "(parameters), 'optimizer' (optimizer state); nothing of this step was committed.")
+    assert said and all(expected in line for line in said), output[-5000:]
+    logged = [line for line in said if " ERROR rank " in line]  # one rank of the node says it (its script may repeat it)
+    assert len(logged) == 1 and re.search(r"\[elastictrain r(\d) a0\] ERROR rank \1 stopped in state ", logged[0]), said
+    assert not [line for line in output.splitlines() if 'File "' in line and "/elastictrain/" in line], output[-5000:]
+    assert start_steps(output) == [0], "the error is recorded for the restarts, which stop before restoring"
+    assert "run summary" not in output  # no rank reports its own params_sha256 as the run's
+    assert committed_steps(workdir / "run" / "snapshots") == durable
+    assert committed_steps(tmp_path / "shm") == fast

@@ -7,6 +7,8 @@ element to inf on that rank after the backward (after DDP's all-reduce) at that 
 in <dir>): a hardware fault on one rank, which the ranks' gradients no longer agree on. Several faults:
 comma-separated. At the end each rank prints ``rank R held steps [...]``: the steps whose update
 ``gradients_ok`` held on that rank (which must be every rank's) and its parameters' hash.
+``HEAL_RAW_FROM=<step>`` calls the module itself instead of its DDP wrapper from that step on: each rank then
+trains its own copy.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(overrides: list[str]) -> None:
         step, rank, directory = fault.split(":")
         faults[int(step)] = (rank, Path(directory) / f"fault-{step}.done")
     held = []
+    raw_from = int(os.environ.get("HEAL_RAW_FROM", "0")) or None
     with Session(CONFIG, overrides) as session:
         torch.manual_seed(session.cfg.run.seed)
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
@@ -56,9 +59,9 @@ def main(overrides: list[str]) -> None:
         session.restore()
         for _epoch in session.epochs():
             for inputs, labels in loader:
-                loss = F.cross_entropy(ddp(inputs), labels)
-                loss.backward()
                 step = session.global_step + 1
+                loss = F.cross_entropy((model if raw_from is not None and step >= raw_from else ddp)(inputs), labels)
+                loss.backward()
                 rank, marker = faults.get(step, ("", None))
                 if str(session.rank) == rank and not marker.exists():
                     marker.write_text(str(step))
