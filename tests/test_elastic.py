@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from elastictrain.data import epoch_order
-from elastictrain.launch import RENDEZVOUS_LOST_EXIT_CODE
 from elastictrain.snapshot import load_object
 from elastictrain.storage import SnapshotStore
 from tests.conftest import JobResult, WARM, job_env, parse_job, torchrun_command
@@ -244,33 +241,3 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert len(runs) == 1, f"one MLflow run across the lost node and the relaunch, found {len(runs)}"
-
-def test_under_elastictrain_run_a_preempted_store_host_ends_the_other_node_with_a_retryable_exit_code(tmp_path):
-    """Pod 0 of a PyTorchJob evicted: SIGTERM to the agent that hosts the c10d store.
-
-    Its workers snapshot the step and it exits 143. The other agent loses the store: under plain
-    torchrun it exits 1 with a ``RendezvousConnectionError`` traceback, which ``restartPolicy:
-    ExitCode`` takes for a permanent failure; ``elastictrain-run`` ends it with 200 (>= 128: retried)
-    and one line.
-    """
-    run_dir = tmp_path / "run"
-    nodes = NodeGroup(tmp_path, ["-m", "elastictrain", "train", f"run.dir={run_dir}", "train.max_epochs=100",
-                                 "train.log_every_steps=5", "log.plots=false"],
-                      nnodes="2", rdzv_conf=RDZV_CONF, max_restarts=3,
-                      env={**ENV, "TORCHRUN": str(Path(sys.executable).parent / "elastictrain-run")})
-    nodes.launch(0, host_store=True)
-    nodes.launch(1, host_store=False)
-    nodes.agents[0].wait_for(lambda text: re.search(r"\bstep \d+ epoch", text) is not None, TIMEOUT_S, "training under way")
-    nodes.signal(0, signal.SIGTERM)
-    codes = nodes.wait(TIMEOUT_S)
-    output = nodes.output()
-    assert codes == {0: 143, 1: RENDEZVOUS_LOST_EXIT_CODE}, output[-6000:]
-    survivor = nodes.agents[1].output()
-    assert re.search(r"elastictrain-run: lost the rendezvous store at 127\.0\.0\.1:\d+ \(elastictrain-c10d\).*exiting 200",
-                     survivor), survivor[-4000:]
-    assert "Traceback" not in survivor, survivor[-4000:]
-    assert survivor.rstrip().splitlines()[-1].startswith("elastictrain-run: lost the rendezvous store"), "its line is the last"
-    (preempted,) = re.findall(r"preempted at step (\d+): snapshot committed", output)
-    manifest, _ = SnapshotStore(str(run_dir / "snapshots")).latest_valid()
-    assert manifest.step == int(preempted)
-    assert nodes.leftover_pids() == []
