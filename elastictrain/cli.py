@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         "snapshots", help="list, verify, show, export or prune the snapshots under a URL",
         description="Look into a snapshot store without training. Only show and export load tensors.",
     ).add_subparsers(dest="snapshot_command", required=True)
-    _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, valid (cheap check)",
+    _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, world, sizes (no checksums)",
              lambda tools, text, args, found: (tools.list_document(*found), text.render_list))
     _command(snapshots, "verify", [store], "read every object and check every checksum; exit 1 if the newest is invalid",
              lambda tools, text, args, found: (tools.verify_document(*found), text.render_verify))
@@ -114,8 +114,11 @@ def _parser() -> argparse.ArgumentParser:
              lambda tools, text, args, found: (tools.show_document(*found, args.step), text.render_show))
     export = _command(
         snapshots, "export", [store, pick], "write one snapshot's model weights as a plain state_dict file",
-        lambda tools, text, args, found: (tools.export_document(*found, args.step, args.out, args.format), text.render_export),
+        lambda tools, text, args, found: (
+            tools.export_document(*found, args.step, args.out, args.format, args.newest_or_fail), text.render_export),
     )
+    export.add_argument("--newest-or-fail", action="store_true",
+                        help="export the newest snapshot or, if it does not verify, nothing (exit 1) instead of an older one")
     export.add_argument("--out", required=True, metavar="FILE", help="file to write (torch.load(FILE, weights_only=True) reads it)")
     export.add_argument("--format", choices=("torch", "safetensors"), default="torch",
                         help="torch (default) or safetensors (needs the safetensors package)")

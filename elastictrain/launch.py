@@ -16,10 +16,14 @@ torch's own launcher (``torch.distributed.run``) in this process, and only chang
 - a worker exited 2 (elastictrain's code for a config or usage error) without a marker: exit **2**.
 - any other worker failure: exit 1 with one line naming the ranks and their exit codes (each
   worker's own output, traceback included, is above it), instead of the ``ChildFailedError`` block.
+- the rendezvous store cannot be reached (``RendezvousConnectionError``: with c10d, the agent that
+  hosted it, pod 0 or the first node, is gone): exit **200** with one line. A code of 128 or more
+  is what Kubeflow's ``restartPolicy: ExitCode`` retries, and 200 is no signal's 128+N, so it is
+  never read as a kill. The relaunched job resumes from the newest snapshot.
 - success: exit 0.
 
-Anything else the launcher raises (a rendezvous that cannot be reached, a bad flag) is torch's
-and keeps torch's behaviour.
+Anything else the launcher raises (a bad flag, a rendezvous that times out) is torch's and keeps
+torch's behaviour.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .fatal import FatalRecord, marker_path, read_marker
 PREEMPTED_EXIT_CODE = 143  # elastictrain.signals.PREEMPTED_EXIT_CODE, without importing the worker side
 CONFIG_ERROR_EXIT_CODE = 2  # elastictrain.errors.ConfigError.exit_code and UsageError's
 FAILED_EXIT_CODE = 1
+RENDEZVOUS_LOST_EXIT_CODE = 200
 PROG = "elastictrain-run"
 
 
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
     from torch.distributed.launcher import api as launcher_api
 
@@ -58,9 +64,18 @@ def main(argv: list[str] | None = None) -> int:
             return _fatal(launcher_api.LocalElasticAgent.fatal)
         codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
         return _failed(codes)
+    except RendezvousConnectionError:
+        return _rendezvous_lost(args)
     finally:
         launcher_api.LocalElasticAgent = agent_class
     return 0
+
+
+def _rendezvous_lost(args) -> int:
+    _say(f"lost the rendezvous store at {args.rdzv_endpoint} ({args.rdzv_backend}): the agent that hosted it "
+         f"is gone or unreachable; exiting {RENDEZVOUS_LOST_EXIT_CODE} (retryable: relaunch every node, the job "
+         "resumes from the newest snapshot)")
+    return RENDEZVOUS_LOST_EXIT_CODE
 
 
 def _fail_fast(agent_class: type) -> type:

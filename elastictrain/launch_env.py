@@ -12,6 +12,13 @@ from typing import Mapping
 
 from .errors import DistributedSetupError
 
+# The port a SLURM job's workers (and template (c)'s rendezvous) use on the head node, derived from the
+# job id so that two jobs sharing a node do not clash: 12000-27999, below Linux's ephemeral range
+# (32768-60999 by default), where the kernel picks ports for outgoing connections, and below torchrun's
+# defaults 29400 and 29500. launch/slurm/multi_node_torchrun.sbatch repeats the arithmetic in bash.
+SLURM_PORT_BASE = 12000
+SLURM_PORT_SPAN = 16000
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -57,7 +64,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 world_size=int(env["SLURM_NTASKS"]),
                 master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
                 # A port derived from the job id lets two jobs share a head node without clashing.
-                master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
+                master_port=int(env.get("MASTER_PORT") or slurm_job_port(int(job_id))),
                 restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
                 run_id=f"slurm-{job_id}",
                 node_rank=int(env.get("SLURM_NODEID", "0")),
@@ -77,6 +84,11 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             "or set dist.distributed=false to train in this one process"
         ) from None
     return LaunchEnv(launcher="none")
+
+
+def slurm_job_port(job_id: int) -> int:
+    """The head node's port for SLURM job ``job_id``: SLURM_PORT_BASE + job_id mod SLURM_PORT_SPAN."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
 
 
 def first_slurm_host(nodelist: str) -> str:

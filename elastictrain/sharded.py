@@ -20,9 +20,11 @@ needs them to find a torn or corrupt shard before anything is loaded.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -37,6 +39,20 @@ from .snapshot import tensors_in
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
 _CHUNK = 8 << 20
+# What DCP's save and load warn every time they run without a process group. A run of one worker has
+# none (elastictrain forms no group for one process), and one process is exactly what it means.
+_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                           r"assuming the intent is to (save|load) in a single process")
+
+
+def _quiet_single_process_warning() -> None:
+    """In a process with no process group, drop DCP's warning that it will act in one process: it will, as meant.
+
+    A process-wide filter, added once, for that message alone: warnings.catch_warnings around the call would
+    swap the filters of every thread (the async writer saves from its own), and the message cannot arise
+    where a group exists, the only place it could mean a mistake."""
+    if not dist.is_initialized():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
 
 
 class ShardedState:
@@ -75,6 +91,7 @@ class ShardedState:
     def write(self, url: str, step: int, staged: dict[str, Any] | None = None, group: Any = None) -> list[str]:
         """Every rank: write this rank's shards under ``url`` (DCP's collective save; the coordinator writes
         ``.metadata``); return the names of every rank's shard files. StorageError on every rank if one failed."""
+        _quiet_single_process_warning()
         try:
             metadata = dcp.save(self._state() if staged is None else staged, storage_writer=self._writer(url),
                                 process_group=group)
@@ -91,6 +108,7 @@ class ShardedState:
     def load(self, url: str, where: str) -> None:
         """Read this rank's part of the shards under ``url`` (any world size) into the model and optimizers."""
         state = self._state()
+        _quiet_single_process_warning()
         try:
             dcp.load(state, storage_reader=self._reader(url))
         except (OSError, dcp.api.CheckpointException, RuntimeError) as exc:

@@ -17,18 +17,20 @@ MAX_ATTEMPTS_SHOWN = 10
 
 def render_list(document: dict[str, Any]) -> str:
     rows = document["snapshots"]
-    table = [("STEP", "EPOCH", "CREATED", "SIZE", "WORLD", "VALID")] + [
+    # SIZES, not VALID: a flipped byte keeps every size; only `verify` reads the bytes.
+    table = [("STEP", "EPOCH", "CREATED", "SIZE", "WORLD", "SIZES")] + [
         (
             str(row["step"]), _or_dash(row["epoch"]), _local_time(row["created_unix"]),
-            _human_bytes(row["size_bytes"]), _or_dash(row["world_size"]), "yes" if row["valid"] else "NO",
+            _human_bytes(row["size_bytes"]), _or_dash(row["world_size"]), "ok" if row["sizes_ok"] else "BAD",
         )
         for row in rows
     ]
     lines = [*_wrap(f"{len(rows)} snapshot(s) under {document['url']}"), *_columns(table, right={0, 1, 3, 4})]
     for row in rows:
-        if not row["valid"]:
+        if not row["sizes_ok"]:
             lines += _wrap(f"step {row['step']}: {row['problem']}", indent="  ")
-    lines.append("(sizes checked; `elastictrain snapshots verify` also checks every checksum)")
+    lines.append("(SIZES: manifest present, each object's size as it says; checksums are not read:")
+    lines.append(" `elastictrain snapshots verify` reads them)")
     return "\n".join(lines)
 
 
@@ -163,11 +165,15 @@ def _render_history(history: dict[str, Any]) -> list[str]:
 
 
 def render_export(document: dict[str, Any]) -> str:
-    return "\n".join(_wrap(
-        f"wrote {document['out']} ({document['format']}, {_human_bytes(document['size_bytes'])}): "
-        f"{document['tensors']} tensors, {document['parameters']:,} parameters from step {document['step']} "
-        f"({document['url']}/{document['snapshot_id']})"
-    ))
+    lines = _wrap(
+        f"exported step {document['step']}: wrote {document['out']} ({document['format']}, "
+        f"{_human_bytes(document['size_bytes'])}): {document['tensors']} tensors, {document['parameters']:,} "
+        f"parameters ({document['url']}/{document['snapshot_id']})"
+    )
+    if document["step"] != document["newest_step"] and document["chosen_by"] == "newest valid":
+        lines += _wrap(f"not the newest snapshot: step {document['newest_step']} does not verify (`elastictrain "
+                       "snapshots verify` says why); --newest-or-fail makes that an error, --step N picks one")
+    return "\n".join(lines)
 
 
 def render_plot(document: dict[str, Any]) -> str:

@@ -33,14 +33,24 @@ def open_store(url: str, storage_options: dict[str, Any]) -> tuple[SnapshotStore
     if not exists:
         raise StorageError(f"no such location: {url}")
     if not listings:
-        raise SnapshotError(f"no snapshots under {url} (no step-* prefix)")
+        raise SnapshotError(f"no snapshots under {url} (no step-* prefix){_run_dir_hint(store, url)}")
     return store, listings
+
+
+def _run_dir_hint(store: SnapshotStore, url: str) -> str:
+    """A run directory (``run.dir``) keeps its snapshots in ``snapshots/``: name it when that is where they are."""
+    nested = f"{url.rstrip('/')}/snapshots"
+    try:
+        found = SnapshotStore(nested, store.client.options).list_snapshots()
+    except Exception:  # noqa: BLE001 - only a hint: without it the error line still stands
+        return ""
+    return f"; {nested} has {len(found)}: pass that URL" if found else ""
 
 
 # -- list -------------------------------------------------------------------------------------
 
 def list_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
-    """One row per step-* prefix, checked cheaply: manifest present and every object's size."""
+    """One row per step-* prefix, checked cheaply: manifest present and every object's size (no checksum)."""
     rows = []
     for listing in listings:
         sizes = _object_sizes(store, listing.snapshot_id)
@@ -54,7 +64,7 @@ def list_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict
             "created_unix": manifest.created_unix if manifest else None,
             "created": _iso(manifest.created_unix) if manifest else None,
             "size_bytes": sum(sizes.values()),
-            "valid": problem is None,
+            "sizes_ok": problem is None,
             "problem": problem,
         })
     return {"url": store.url, "checked": "manifest and object sizes", "snapshots": rows}
@@ -216,10 +226,28 @@ def _model_summary(weights: Any) -> dict[str, Any]:
     }
 
 
+def newest_or_fail(store: SnapshotStore, listings: list[SnapshotListing]) -> tuple[Manifest, dict[str, bytes]]:
+    """The newest committed snapshot, verified; SnapshotError if it does not verify (no falling back)."""
+    committed = [listing for listing in listings if listing.manifest is not None]
+    if not committed:
+        raise SnapshotError(f"no committed snapshot under {store.url} (no manifest in any step-* prefix)")
+    try:
+        return store.read_verified(committed[-1].snapshot_id)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{exc}; --newest-or-fail exports nothing older (without it the newest valid snapshot "
+                            "is exported, --step N picks one)") from None
+
+
 def export_document(
-    store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out: str, fmt: str
+    store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out: str, fmt: str,
+    newest_only: bool = False,
 ) -> dict[str, Any]:
-    """Write the model weights of one snapshot to `out` as a plain state_dict (torch or safetensors)."""
+    """Write the model weights of one snapshot to `out` as a plain state_dict (torch or safetensors).
+
+    By default the newest snapshot that verifies; ``step`` picks one; ``newest_only`` refuses to fall back
+    past a newest snapshot that does not verify."""
+    if newest_only and step is not None:
+        raise ElastictrainError("--newest-or-fail and --step exclude each other; give one")
     if fmt == "safetensors":
         try:
             from safetensors.torch import save as safetensors_bytes
@@ -230,7 +258,7 @@ def export_document(
             ) from None
     from .snapshot import MODEL_OBJECT
 
-    manifest, payload = select(store, listings, step)
+    manifest, payload = newest_or_fail(store, listings) if newest_only else select(store, listings, step)
     where = f"snapshot {store.url}/{manifest.snapshot_id}"
     weights = _weights(store, manifest, payload, where)
     if not all(hasattr(value, "numel") for value in weights.values()):
@@ -256,6 +284,9 @@ def export_document(
         "url": store.url,
         "snapshot_id": manifest.snapshot_id,
         "step": manifest.step,
+        # The newest committed snapshot's step: a pipeline sees that an older one was exported.
+        "newest_step": max(listing.step for listing in listings if listing.manifest is not None),
+        "chosen_by": "step" if step is not None else "newest" if newest_only else "newest valid",
         "out": str(out),
         "format": fmt,
         "size_bytes": len(data),

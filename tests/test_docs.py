@@ -179,3 +179,14 @@ def test_every_relative_link_resolves(markdown, site):
         elif anchor and path.suffix == ".md" and (REPO_ROOT / "docs") in path.parents and anchor not in _anchors(site, path):
             broken.append(f"{target} (no such heading on the built page)")
     assert not broken, f"{markdown.relative_to(REPO_ROOT)}: {broken}"
+
+
+def test_getting_started_lists_the_built_in_models_state_dict_keys_and_shapes():
+    """What `elastictrain snapshots export` writes for the default job: a user loads it by these keys."""
+    from elastictrain.tasks import spirals
+
+    text = (REPO_ROOT / "docs" / "getting-started.md").read_text()
+    documented = {key: tuple(int(n) for n in shape.split(" × "))
+                  for key, shape in re.findall(r"^\| `(layers\.[\w.]+)` \| ([\d × ]+?) \|$", text, re.M)}
+    model = spirals.build().model
+    assert documented == {key: tuple(value.shape) for key, value in model.state_dict().items()}

@@ -343,3 +343,30 @@ def test_default_wrapping_shards_the_blocks_of_the_outermost_lists():
 
     net = Net()
     assert [id(m) for m in fsdp.blocks(net)] == [id(m) for m in [*net.blocks, net.head[0], net.head[2]]]
+
+
+def test_one_process_saves_and_loads_its_shards_without_dcps_single_process_warning(tmp_path):
+    """A one-worker fsdp run has no process group; DCP warned at every save and restore that it would act in one
+    process, which is what such a run means. Other warnings still show."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from elastictrain.sharded import ShardedState
+
+    assert not dist.is_initialized()
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    sharded = ShardedState(model, [optimizer])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded.write(str(tmp_path / "step-1"), step=1)
+        before = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        sharded.load(str(tmp_path / "step-1"), "the test's snapshot")
+        warnings.warn("another warning", UserWarning)
+    assert torch.equal(model.weight, before), "the shards load back"
+    assert [str(w.message) for w in caught] == ["another warning"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.launch_env import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_job_port
 from elastictrain.storage import SnapshotStore
 from tests.conftest import REPO_ROOT, JobResult, parse_job
 from tests.helpers.slurm import Job, SlurmCluster, SlurmUnavailable, ensure_installed
@@ -31,9 +32,32 @@ WORLD_SIZE = 2
 OVERRIDES = ["train.max_epochs=2", "train.log_every_steps=10", "snapshot.durable.every_steps=50"]
 # The template asks for 2 nodes x 8 GPUs; this cluster is one node with 2 CPUs. sbatch's
 # options override the template's #SBATCH lines; nothing in the file is edited.
-ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--mem=1G"]
 PREEMPTED_AT = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 PROGRESS = r"\bstep (\d+) epoch \d+"
+
+
+TEMPLATES = sorted((REPO_ROOT / "launch" / "slurm").glob("*.sbatch"))
+# Linux's default ip_local_port_range: the kernel takes ports for outgoing connections from it, so a
+# listener there may find its port taken by some connection of the node.
+EPHEMERAL_PORTS_START = 32768
+TORCHRUN_DEFAULT_PORTS = {29400, 29500}  # --rdzv-endpoint's and MASTER_PORT's defaults
+
+
+def test_the_job_port_stays_below_the_ephemeral_range_and_every_template_derives_it_alike():
+    ports = {slurm_job_port(job_id) for job_id in range(3 * SLURM_PORT_SPAN)}
+    assert min(ports) > 1024 and max(ports) < EPHEMERAL_PORTS_START
+    assert ports.isdisjoint(TORCHRUN_DEFAULT_PORTS)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert max(ports) < low, f"this machine's ephemeral ports start at {low}"
+    # Template (c) computes the rendezvous port in bash; template (b) leaves it to elastictrain (launch_env).
+    derived = [re.findall(r"\$\(\((\d+) \+ SLURM_JOB_ID % (\d+)\)\)", path.read_text()) for path in TEMPLATES]
+    assert [d for d in derived if d] == [[(str(SLURM_PORT_BASE), str(SLURM_PORT_SPAN))]]
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_every_template_asks_for_memory(path):
+    assert re.search(r"^#SBATCH --mem=\d+[KMGT]?$", path.read_text(), re.M), f"{path.name}: no #SBATCH --mem"
 
 
 @pytest.fixture(scope="module")

@@ -91,38 +91,41 @@ def test_list_has_one_row_per_step_prefix_and_flags_a_torn_one(store_dir):
     (torn / MODEL_OBJECT).write_bytes(b"half a model")
     truncated = snapshot_dir(store_dir, 60) / STATE_OBJECT  # e.g. a disk that filled up under a copy
     truncated.write_bytes(truncated.read_bytes()[:1000])
+    flip_middle_byte(snapshot_dir(store_dir, 80) / MODEL_OBJECT)  # sizes intact: the column does not claim more
     done = elastictrain("snapshots", "list", store_dir)
     assert done.returncode == 0, done.stderr
     assert_fits_80_columns(done.stdout)
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("STEP"))
-    assert lines[header].split() == ["STEP", "EPOCH", "CREATED", "SIZE", "WORLD", "VALID"]
+    assert lines[header].split() == ["STEP", "EPOCH", "CREATED", "SIZE", "WORLD", "SIZES"]
     rows = [line.split() for line in lines[header + 1:header + 2 + len(SNAPSHOT_STEPS)]]
     store = SnapshotStore(str(store_dir))
     for row, listing in zip(rows, store.list_snapshots(), strict=True):
         assert int(row[0]) == listing.step
         if listing.manifest is None:
-            assert row[1:3] == ["-", "-"] and row[-1] == "NO"
+            assert row[1:3] == ["-", "-"] and row[-1] == "BAD"
         elif listing.step == 60:
-            assert row[-1] == "NO"
+            assert row[-1] == "BAD"
         else:
-            assert int(row[1]) == listing.manifest.meta["epoch"] and row[-2:] == ["1", "yes"]
+            assert int(row[1]) == listing.manifest.meta["epoch"] and row[-2:] == ["1", "ok"]
     assert [int(row[0]) for row in rows] == [*SNAPSHOT_STEPS, 120]
     assert "step 120: no manifest (torn or in-progress write)" in done.stdout
     assert "step 60: object 'state.pt' is 1000 bytes, the manifest says" in done.stdout
+    assert "checksums are not read" in words(done.stdout) and "snapshots verify` reads them" in words(done.stdout)
 
     document = json.loads(elastictrain("snapshots", "list", store_dir, "--json").stdout)
     by_step = {row["step"]: row for row in document["snapshots"]}
     assert sorted(by_step) == [*SNAPSHOT_STEPS, 120]
-    assert [step for step, row in by_step.items() if not row["valid"]] == [60, 120]
+    assert [step for step, row in by_step.items() if not row["sizes_ok"]] == [60, 120]
     for listing in store.list_snapshots()[:-1]:
         row = by_step[listing.step]
         if listing.step == 60:
             continue
-        assert row["valid"] and row["epoch"] == listing.manifest.meta["epoch"]
+        assert row["sizes_ok"] and row["epoch"] == listing.manifest.meta["epoch"]
         assert row["size_bytes"] == sum(entry.size for entry in listing.manifest.objects.values())
         assert row["created_unix"] == listing.manifest.created_unix
-    assert by_step[120]["valid"] is False and by_step[120]["size_bytes"] == len(b"half a model")
+    assert by_step[120]["sizes_ok"] is False and by_step[120]["size_bytes"] == len(b"half a model")
+    assert "valid" not in by_step[80], "a row says what was checked: sizes, not checksums"
 
 
 @pytest.mark.slow
@@ -206,12 +209,25 @@ def test_show_counts_attempts_and_restarts_a_snapshot_records(store_dir):
 
 @pytest.mark.slow
 def test_export_writes_the_newest_valid_weights_that_torch_load_reads(store_dir, tmp_path):
+    newest = tmp_path / "newest.pt"
+    done = elastictrain("snapshots", "export", store_dir, "--out", newest, "--newest-or-fail")
+    assert done.returncode == 0 and words(done.stdout).startswith(f"exported step 96: wrote {newest}"), done.stderr
+    assert "not the newest" not in done.stdout
+
     flip_middle_byte(snapshot_dir(store_dir, 96) / STATE_OBJECT)  # the newest does not verify: step 80 is exported
     out = tmp_path / "weights.pt"
     done = elastictrain("snapshots", "export", store_dir, "--out", out)
     assert done.returncode == 0, done.stderr
-    assert f"wrote {out} (torch," in words(done.stdout) and "from step 80" in words(done.stdout)
+    assert words(done.stdout).startswith(f"exported step 80: wrote {out} (torch,"), done.stdout
+    assert "not the newest snapshot: step 96 does not verify" in words(done.stdout)
     assert "skipping snapshot" in done.stderr and "Traceback" not in done.stderr
+    document = json.loads(elastictrain("snapshots", "export", store_dir, "--out", out, "--json").stdout)
+    assert (document["step"], document["newest_step"], document["chosen_by"]) == (80, 96, "newest valid")
+
+    refused = tmp_path / "refused.pt"
+    done = elastictrain("snapshots", "export", store_dir, "--out", refused, "--newest-or-fail")
+    assert_one_error_line(done, "step-000000000096", "--newest-or-fail exports nothing older")
+    assert done.stdout == "" and not refused.exists()
     exported = torch.load(out, weights_only=True)
     expected = load_object((snapshot_dir(store_dir, 80) / MODEL_OBJECT).read_bytes(), "test")
     assert list(exported) == list(expected)
@@ -264,9 +280,12 @@ def test_plot_draws_the_newest_valid_snapshots_history(trained, tmp_path):
         (["snapshots", "list", "{store}", "--storage-option", "anon"], ["--storage-option 'anon' is not KEY=VALUE"]),
         (["snapshots", "list", "nosuchproto://bucket/run"], ["cannot be opened"]),
         (["snapshots", "prune", "{store}", "--keep", "0"], ["--keep must be at least 1"]),
+        (["snapshots", "list", "{tmp}"], ["no snapshots under {tmp}", "{tmp}/snapshots has 4: pass that URL"]),
+        (["snapshots", "export", "{store}", "--step", "80", "--newest-or-fail", "--out", "{tmp}/w.pt"],
+         ["--newest-or-fail and --step exclude each other"]),
     ],
     ids=["no-such-url", "no-snapshots", "no-such-step", "invalid-step", "unwritable-out", "bad-storage-option",
-         "unknown-protocol", "keep-0"],
+         "unknown-protocol", "keep-0", "run-dir-not-its-snapshots", "newest-or-fail-with-step"],
 )
 def test_user_mistakes_are_one_line_and_no_traceback(store_dir, tmp_path, args, expected):
     flip_middle_byte(snapshot_dir(store_dir, 96) / MODEL_OBJECT)

@@ -143,7 +143,8 @@ class SlurmCluster:
                 "MinJobAge=300",
                 # Not requeueable unless the job asks (#SBATCH --requeue), as on many sites.
                 "JobRequeue=0",
-                f"NodeName={self.hostname} CPUs={self.cpus} State=UNKNOWN",
+                # The machine's memory, as sites declare it: the templates ask for some (#SBATCH --mem).
+                f"NodeName={self.hostname} CPUs={self.cpus} RealMemory={_memory_mb()} State=UNKNOWN",
                 f"PartitionName=test Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP",
                 "",
             ])
@@ -301,3 +302,9 @@ class SlurmCluster:
             time.sleep(POLL_INTERVAL_S)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
         return self.cluster_pids()
+
+
+def _memory_mb() -> int:
+    """This machine's memory in MB (MemTotal of /proc/meminfo), for the node's RealMemory."""
+    kilobytes = int(re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M).group(1))
+    return kilobytes // 1024
