@@ -43,9 +43,12 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
             dist.record_fatal_error(ctx, exc)
     elif is_peer_loss(exc):
         fatal = dist.recorded_fatal_error(ctx)
-        then = (f"rank {fatal['rank']} stopped on a {fatal['kind']} no restart can fix (its line is above)"
-                if fatal is not None else "the launcher restarts the group from the newest snapshot")
-        lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); {then}")
+        if fatal is not None:  # the peer stopped on purpose: its error is the cause, not the connection it closed
+            lost = PeerLost(f"rank {rank} stopped in state {state} at step {step} because rank {fatal['rank']} stopped "
+                            f"on a {fatal['kind']} no restart can fix (its line is above)")
+        else:
+            lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); "
+                            "the launcher restarts the group from the newest snapshot")
         log.error("%s", lost)
         return lost
     else:
