@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import excepthook  # noqa: F401  (installs the one-line hook for user errors: excepthook.py)
 from .fatal import stop_if_an_earlier_attempt_failed
 from .threads import prepare_environment
 

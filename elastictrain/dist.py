@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from . import determinism
 from .config import DistConfig
-from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError, keep_excepthook_outermost
+from .errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
+from .excepthook import keep_excepthook_outermost
 from .launch_env import LaunchEnv, detect_launch_env
 from .rounds import agree_on_round
 

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import StorageError
@@ -25,12 +25,20 @@ from .snapshot import STATE_OBJECT
 
 if TYPE_CHECKING:
     from .dist import DistContext
-    from .snapshotter import Snapshotter
+    from .storage import SnapshotStore
 
 log = logging.getLogger("elastictrain")
 
 _CHUNK = 8 << 20
 CopyKey = tuple[int, str]  # (step, the checksum of its DCP .metadata): one save of one step
+
+
+class NodeTier(Protocol):
+    """What restoring from the nodes' copies reads of the fast tier (snapshotter.Snapshotter is one): this module
+    takes the tier, it never imports the snapshotter that calls it."""
+
+    is_writer: bool  # this rank writes, and so reads, its node's copies
+    store: SnapshotStore
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class NodeOffer:
         return {*self.manifest.meta.get("shards", []), METADATA, STATE_OBJECT}
 
 
-def offer(fast: Snapshotter) -> dict[CopyKey, NodeOffer]:
+def offer(fast: NodeTier) -> dict[CopyKey, NodeOffer]:
     """A node's writer: every committed sharded copy its node holds, each file verified (a file that does not verify is
     left out, with one warning); {} elsewhere."""
     if not fast.is_writer:
@@ -88,7 +96,7 @@ def choose(offers: list[dict[CopyKey, NodeOffer]]) -> CopyKey | None:
 class FastShardRestore:
     """Bring one chosen copy's files to every node, then hand ``restore.py`` the bytes of state.pt and where to load."""
 
-    def __init__(self, fast: Snapshotter, ctx: DistContext, key: CopyKey, offers: list[dict[CopyKey, NodeOffer]],
+    def __init__(self, fast: NodeTier, ctx: DistContext, key: CopyKey, offers: list[dict[CopyKey, NodeOffer]],
                  nodes: list[int]) -> None:
         self.fast, self.ctx, self.key, self.nodes = fast, ctx, key, nodes
         self.holdings = {rank: rank_offers[key] for rank, rank_offers in enumerate(offers) if key in rank_offers}

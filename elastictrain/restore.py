@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
 from . import errors, fast_restore
+from .fast_restore import NodeTier
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
@@ -24,14 +25,37 @@ from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyp
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from .config import Config
     from .dist import DistContext
-    from .snapshotter import Snapshotter
+    from .sharded import ShardedState
 
 log = logging.getLogger("elastictrain")
 
 # Components a user may add or drop between runs (a scheduler, a scaler): a mismatch is a
 # warning and the component starts fresh. Every other entry is ours and always present.
 _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
+
+
+class SnapshotTier(NodeTier, Protocol):
+    """What restoring reads of a tier and loads into (snapshotter.Snapshotter is one, and calls ``restore_newest``
+    with itself): this module takes the tier, it never imports the snapshotter."""
+
+    cfg: Config
+    ctx: DistContext
+    model: nn.Module  # the unwrapped module
+    statefuls: dict[str, Any]
+    rank_statefuls: dict[str, Any]
+    train_samples: int | None
+    sharded: ShardedState | None  # dist.strategy=fsdp
+    last_committed: tuple[int, float] | None
+
+    def join_run(self, run_id: str) -> str | None: ...
+
+    def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,7 @@ class Restored:
     duration_s: float
 
 
-def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, started: float,
+def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str, started: float,
                    keep: tuple[str, ...] = ()) -> Restored | None:
     """Every rank: load the newest valid snapshot of either tier into ``durable``'s objects; None to start fresh.
 
@@ -119,7 +143,7 @@ def restore_newest(durable: Snapshotter, fast: Snapshotter | None, run_id: str, 
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
 
-def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
+def node_copy_objects(fast: SnapshotTier, ctx: DistContext, manifest: Manifest,
                       found: tuple[Manifest, dict[str, bytes]] | None, holder: int,
                       nodes: list[int]) -> tuple[dict[str, Any], str]:
     """Every rank: the bytes of the fast copy rank ``holder`` read, and how this rank got them. ``found``: what
@@ -152,7 +176,7 @@ def node_copy_objects(fast: Snapshotter, ctx: DistContext, manifest: Manifest,
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
-def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, Any], where: str,
+def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, Any], where: str,
                   keep: tuple[str, ...] = (), shards_url: str | None = None) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
     after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store)."""

@@ -13,9 +13,19 @@ from .background import TrackerThread
 from .ids import TrackingIds
 
 if TYPE_CHECKING:
-    from ..runstate import RunState
+    from ..snapshot import History, Progress, RunLog
 
 log = logging.getLogger("elastictrain")
+
+
+class TrackedRun(Protocol):
+    """What the trackers read of the run's state (runstate.RunState is one, and holds this package's TrackingIds):
+    the trackers take it, they never import runstate."""
+
+    tracking: TrackingIds
+    progress: Progress
+    history: History
+    run_log: RunLog
 
 NOT_METRICS = ("step", "epoch")
 
@@ -56,7 +66,7 @@ class Tracking(Observer):
     to write and queues it, so a tracker that is slow, hung or down costs training nothing.
     """
 
-    def __init__(self, trackers: list[TrackerThread], run: "RunState", config: dict[str, Any]) -> None:
+    def __init__(self, trackers: list[TrackerThread], run: TrackedRun, config: dict[str, Any]) -> None:
         self.trackers, self.run, self.config = trackers, run, config
         # The tracker threads' own: backend -> created now (config not yet logged); -> name -> highest step stored.
         self.created: dict[str, bool] = {}
@@ -157,7 +167,7 @@ class Tracking(Observer):
                 "attempts": len(self.run.run_log.attempts), **last}
 
 
-def attach_trackers(cfg: Config, events: Observers, run: "RunState") -> None:
+def attach_trackers(cfg: Config, events: Observers, run: TrackedRun) -> None:
     """Rank 0's trackers from ``track.*`` (none by default), each opened on its own thread (an import of seconds)."""
     track = cfg.track
     trackers: list[TrackerThread] = []
