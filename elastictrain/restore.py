@@ -20,7 +20,7 @@ from . import errors, fast_restore
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
-from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyperparameters
+from .resume_checks import check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
 
 if TYPE_CHECKING:
@@ -177,6 +177,9 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
     else:
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
+    for name, component in target.statefuls.items():  # before anything is loaded: all or nothing
+        if isinstance(component, Optimizer) and isinstance(state.get(name), dict) and name not in keep:
+            check_optimizer_fits(component, state[name], f"{where} ({name!r})", target.cfg)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
         warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
     for name, component in target.statefuls.items():

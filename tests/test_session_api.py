@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.errors import UsageError
+from elastictrain.errors import SnapshotError, UsageError
 from elastictrain.session import Session
 
 
@@ -267,3 +267,21 @@ def test_state_left_unregistered_is_one_warning_line_at_restore(tmp_path, capsys
     assert said == ([] if warning is None else [said[0]]) and (warning is None or warning in said[0]), err
     if warning:
         assert err.index(warning) < err.index("state RESTORE -> TRAIN")
+
+
+def test_an_optimizer_of_another_class_than_the_snapshots_is_one_line_at_restore(tmp_path, capsys):
+    cfg = config(tmp_path, max_steps=4)
+    custom_loop(cfg)  # Adam's state in the snapshot
+    capsys.readouterr()
+    with pytest.raises(SnapshotError) as raised:
+        with Session(cfg) as session:
+            model = mlp()
+            session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            session.loader(points())
+            session.restore()
+    message = str(raised.value)
+    assert "\n" not in message and "Traceback" not in capsys.readouterr().err
+    assert "('optimizer') was saved with an optimizer with the options amsgrad, betas, capturable, " in message
+    assert "which this run's SGD does not have (it has dampening, momentum, nesterov): its state cannot be loaded; " \
+           "use the optimizer the snapshot was taken with, or start fresh with snapshot.durable.url set to an empty " \
+           "location" in message, message
