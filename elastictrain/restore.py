@@ -181,7 +181,7 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
         if isinstance(component, Optimizer) and isinstance(state.get(name), dict) and name not in keep:
             check_optimizer_fits(component, state[name], f"{where} ({name!r})", target.cfg)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
-        warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
+        warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where, target.cfg)
     for name, component in target.statefuls.items():
         if name in keep:
             continue

@@ -97,7 +97,8 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
                             "writes its weights for a new run) — nothing was deleted")
 
 
-def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str,
+                                    cfg: Config) -> None:
     """Loading the optimizer state brings the snapshot's lr, betas, ... back: say so when this run set others."""
     differences = []
     for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved.get("param_groups", []))):
@@ -113,8 +114,8 @@ def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dic
                 differences.append(f"{name} {before!r} -> {value!r}" + (f" (group {index})" if index else ""))
     if differences:
         log.warning("%s: the optimizer's hyperparameters differ from this run's (%s); the snapshot's values are "
-                    "restored with its state — start fresh (another run.name) to train with the new ones",
-                    where, ", ".join(differences))
+                    "restored with its state — %s to train with the new ones",
+                    where, ", ".join(differences), start_fresh_advice(cfg))
 
 
 def _differs(a: Any, b: Any) -> bool:
