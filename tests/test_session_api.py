@@ -285,3 +285,44 @@ def test_an_optimizer_of_another_class_than_the_snapshots_is_one_line_at_restore
     assert "which this run's SGD does not have (it has dampening, momentum, nesterov): its state cannot be loaded; " \
            "use the optimizer the snapshot was taken with, or start fresh with snapshot.durable.url set to an empty " \
            "location" in message, message
+
+
+def a_short_loop(cfg: dict) -> Session:
+    with Session(cfg) as session:
+        model, optimizer, loader = set_up(session)
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(model(inputs), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                session.step(loss=loss)
+    return session
+
+
+def test_a_run_dir_that_cannot_be_written_costs_a_finished_run_its_plots_only(tmp_path, capsys):
+    """Snapshots elsewhere, run.dir under a regular file (no chmod: the tests run as root): the run ends DONE and the
+    plots it cannot draw are one warning, not an exit 1 (under torchrun: restarts of a finished run)."""
+    (tmp_path / "a-file").write_bytes(b"")
+    cfg = config(tmp_path, max_steps=4)
+    cfg["run"]["dir"] = str(tmp_path / "a-file" / "run")
+    cfg["log"]["plots"] = True
+    assert a_short_loop(cfg).summary.state == "DONE"
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"WARNING no plots: {tmp_path}/a-file/run/plots cannot be written (Not a directory); point run.dir at a " \
+           "writable directory, or set log.plots=false — the run finished and its snapshots are intact" in err, err
+
+
+def test_a_run_dir_that_cannot_hold_the_snapshots_is_told_to_change_run_dir(tmp_path, capsys):
+    """The durable store defaults to <run.dir>/snapshots: the key to change is run.dir, not snapshot.durable.url."""
+    from elastictrain.errors import StorageError
+
+    (tmp_path / "a-file").write_bytes(b"")
+    cfg = config(tmp_path, max_steps=4)
+    cfg["run"]["dir"] = str(tmp_path / "a-file" / "run")
+    del cfg["snapshot"]["durable"]["url"]
+    with pytest.raises(StorageError) as raised:
+        a_short_loop(cfg)
+    assert str(raised.value).endswith("is not writable (NotADirectoryError: [Errno 20] Not a directory: "
+                                      f"'{tmp_path}/a-file/run'); check the path/credentials or set run.dir")
