@@ -326,3 +326,24 @@ def test_a_run_dir_that_cannot_hold_the_snapshots_is_told_to_change_run_dir(tmp_
         a_short_loop(cfg)
     assert str(raised.value).endswith("is not writable (NotADirectoryError: [Errno 20] Not a directory: "
                                       f"'{tmp_path}/a-file/run'); check the path/credentials or set run.dir")
+
+
+@pytest.mark.parametrize("call", ["session.epochs()", "iterating session.loader()'s loader", "session.step()",
+                                  "session.restore()"])
+def test_the_loop_dedented_out_of_the_with_block_is_one_line(tmp_path, capsys, call):
+    """Found by a new user: the loop one indent too far left trained unseen in one process, and under torchrun met
+    torch's "process group not initialized"."""
+    with Session(config(tmp_path)) as session:
+        model, optimizer, loader = set_up(session)
+    with pytest.raises(UsageError) as raised:
+        if call == "session.epochs()":
+            next(iter(session.epochs()))
+        elif call.startswith("iterating"):
+            next(iter(loader))
+        elif call == "session.step()":
+            session.step(loss=torch.tensor(1.0))
+        else:
+            session.restore()
+    assert str(raised.value) == (f"{call} after the `with Session(...)` block ended: indent the training loop inside "
+                                 "`with Session(...) as session:`, where the session restores, steps and snapshots")
+    assert session.rank == 0  # what a summary printed after the block asks still answers
