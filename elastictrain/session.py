@@ -40,6 +40,7 @@ from .failures import report_failure, report_left_early, used_after_the_block
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
 from .gradsync import wrap_model_for
 from .health import Health
+from .idle_keys import idle_keys_line
 from .logs import setup_logging
 from .loop_keys import LoopKeys, validation_loader
 from .registry import Registry
@@ -216,7 +217,8 @@ class Session:
         self._in_setup("restore", "restore() is called once")
         self.model = model = self.registry.model()
         if self.ctx.is_main:  # said once for the run: what a resume would silently lose
-            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore()]:
+            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore(),
+                            *idle_keys_line(self.cfg)]:
                 log.warning("%s", warning)
         data = self._data
         if data is None and self.cfg.train.max_steps is None:

@@ -347,3 +347,13 @@ def test_the_loop_dedented_out_of_the_with_block_is_one_line(tmp_path, capsys, c
     assert str(raised.value) == (f"{call} after the `with Session(...)` block ended: indent the training loop inside "
                                  "`with Session(...) as session:`, where the session restores, steps and snapshots")
     assert session.rank == 0  # what a summary printed after the block asks still answers
+
+
+def test_a_key_that_does_nothing_as_set_is_one_warning_at_restore(tmp_path, capsys):
+    cfg = config(tmp_path, max_steps=4)
+    cfg["snapshot"]["local"] = {"every_steps": 2}  # no snapshot.local.url: no fast tier to pace
+    a_short_loop(cfg)
+    err = capsys.readouterr().err
+    assert err.count("these keys do nothing as set:") == 1
+    assert "WARNING these keys do nothing as set: snapshot.local.every_steps=2 (needs snapshot.local.url: the fast " \
+           "tier is off; set it to a node-local path such as /dev/shm)\n" in err, err
