@@ -178,7 +178,8 @@ def load_snapshot(target: Snapshotter, manifest: Manifest, objects: dict[str, An
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
     for name, component in target.statefuls.items():  # before anything is loaded: all or nothing
-        if isinstance(component, Optimizer) and isinstance(state.get(name), dict) and name not in keep:
+        if isinstance(component, Optimizer) and "param_groups" in (state.get(name) or {}) and name not in keep \
+                and not sharded:  # fsdp: the optimizers load from the shards
             check_optimizer_fits(component, state[name], f"{where} ({name!r})", target.cfg)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
         warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where, target.cfg)
