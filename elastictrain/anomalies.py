@@ -339,7 +339,8 @@ class Anomalies:
         """ROLLBACK found no snapshot (an anomaly before the first one): the one line to stop with."""
         return AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
                             "to roll back to yet: training stopped; take snapshots more often "
-                            "(snapshot.local.every_steps), or set anomaly.policy=skip")
+                            "(snapshot.durable.every_steps, or a fast tier: snapshot.local.url with "
+                            "snapshot.local.every_steps), or set anomaly.policy=skip")
 
     def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
         """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the

@@ -89,6 +89,13 @@ def report_left_early(rank: str, step: int, last_committed: tuple[int, float] | 
     dist.record_fatal_error(ctx, error)
 
 
+def used_after_the_block(call: str) -> UsageError:
+    """A session used after its ``with`` block ended: a loop dedented out of it, most often. Its process group is
+    gone (under torchrun: torch's "process group not initialized"), and in one process it would train unseen."""
+    return UsageError(f"{call or 'the session'} after the `with Session(...)` block ended: indent the training loop "
+                      "inside `with Session(...) as session:`, where the session restores, steps and snapshots")
+
+
 def peer_loss_reason(text: str, limit: int = 160) -> str:
     """A collective's error in a few words: its first sentence without the source location, cut at a word."""
     reason = " ".join(text.split())

@@ -21,7 +21,7 @@ from .fast_restore import NodeTier
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
-from .resume_checks import check_config, start_fresh_advice, warn_on_changed_hyperparameters
+from .resume_checks import check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
 
 if TYPE_CHECKING:
@@ -201,8 +201,12 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
     else:
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
+    for name, component in target.statefuls.items():  # before anything is loaded: all or nothing
+        if isinstance(component, Optimizer) and "param_groups" in (state.get(name) or {}) and name not in keep \
+                and not sharded:  # fsdp: the optimizers load from the shards
+            check_optimizer_fits(component, state[name], f"{where} ({name!r})", target.cfg)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
-        warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where)
+        warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where, target.cfg)
     for name, component in target.statefuls.items():
         if name in keep:
             continue

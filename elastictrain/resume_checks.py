@@ -72,7 +72,33 @@ def _under(key: str, prefixes: Any) -> bool:
     return any(key == prefix or key.startswith(f"{prefix}.") for prefix in prefixes)
 
 
-def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+def check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str, cfg: Config) -> None:
+    """Refuse, in one line, an optimizer state that this run's optimizer cannot take: another optimizer class (its
+    parameter groups have keys this one lacks and lack keys it has: loading it would fail in the first step with
+    ``KeyError: 'momentum'``) or another number of parameter groups.
+
+    Keys only one side has are a torch version's new options (``__setstate__`` gives them their default): accepted.
+    """
+    groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])
+    kind = type(optimizer).__name__
+    problem = None
+    if len(groups) != len(saved_groups):
+        problem = f"{len(saved_groups)} parameter group(s), this run's {kind} has {len(groups)}"
+    else:
+        for index, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+            ours, theirs = set(group) - {"params", "initial_lr"}, set(saved_group) - {"params", "initial_lr"}
+            if ours - theirs and theirs - ours:
+                problem = (f"an optimizer with the options {', '.join(sorted(theirs - ours))}" + (f" (group {index})" if index else "")
+                           + f", which this run's {kind} does not have (it has {', '.join(sorted(ours - theirs))})")
+                break
+    if problem is not None:
+        raise SnapshotError(f"{where} was saved with {problem}: its state cannot be loaded; use the optimizer the "
+                            f"snapshot was taken with, or {start_fresh_advice(cfg)} (`elastictrain snapshots export` "
+                            "writes its weights for a new run) — nothing was deleted")
+
+
+def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str,
+                                    cfg: Config) -> None:
     """Loading the optimizer state brings the snapshot's lr, betas, ... back: say so when this run set others."""
     differences = []
     for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved.get("param_groups", []))):
@@ -88,8 +114,8 @@ def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dic
                 differences.append(f"{name} {before!r} -> {value!r}" + (f" (group {index})" if index else ""))
     if differences:
         log.warning("%s: the optimizer's hyperparameters differ from this run's (%s); the snapshot's values are "
-                    "restored with its state — start fresh (another run.name) to train with the new ones",
-                    where, ", ".join(differences))
+                    "restored with its state — %s to train with the new ones",
+                    where, ", ".join(differences), start_fresh_advice(cfg))
 
 
 def _differs(a: Any, b: Any) -> bool:

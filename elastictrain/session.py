@@ -36,10 +36,11 @@ from .config import Config, load_config
 from .data import Shard
 from .errors import ConfigError, PeerLost, UsageError
 from .events import Observer, Observers, RunInfo
-from .failures import report_failure, report_left_early
+from .failures import report_failure, report_left_early, used_after_the_block
 from .geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
 from .gradsync import wrap_model_for
 from .health import Health
+from .idle_keys import idle_keys_line
 from .logs import setup_logging
 from .loop_keys import LoopKeys, validation_loader
 from .registry import Registry
@@ -83,6 +84,7 @@ class Session:
         self._epoch_end: list[Callable[[], None]] = []
         self._rank_label = "?"  # known once SETUP has read the launch environment
         self._peer_lost = False
+        self._left = False  # the with block has ended
         self._marks_ahead = False  # a step runner marks survivor copies itself (rank_state_final)
         self.machine.on()(self.events.transition)
         self.machine.on(dst=State.DONE)(self._summarize)
@@ -188,7 +190,7 @@ class Session:
         self._data = TrainData(dataset, collate_fn, self.cfg, self.ctx, self.state.progress, self.shard,
                                on_end_without_step=lambda: self._boundary(stepped=False),
                                skipped=self.state.anomalies.skipped_samples)
-        return Loader(self._data, lambda: self.machine.finished)
+        return Loader(self._data, self._loader_finished)
 
     def val_loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
         """This rank's share of ``dataset`` (every sample once over all ranks; shards may be uneven), in batches
@@ -215,7 +217,8 @@ class Session:
         self._in_setup("restore", "restore() is called once")
         self.model = model = self.registry.model()
         if self.ctx.is_main:  # said once for the run: what a resume would silently lose
-            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore()]:
+            for warning in [*unregistered_state_named(self.registry.objects), *self.keys.at_restore(),
+                            *idle_keys_line(self.cfg)]:
                 log.warning("%s", warning)
         data = self._data
         if data is None and self.cfg.train.max_steps is None:
@@ -459,6 +462,7 @@ class Session:
             elif exc is None and not self.machine.finished:
                 report_left_early(self._rank_label, self.global_step, self.tiers and self.tiers.last_committed, self.ctx)
         finally:
+            self._left = True  # what the loop calls from now on is a UsageError (_context)
             self.health.signals.uninstall()
             if self.tiers is not None:
                 self.tiers.close()
@@ -497,18 +501,24 @@ class Session:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _context(self) -> dist.DistContext:
+    def _context(self, call: str = "") -> dist.DistContext:
+        if self._left and call:  # rank, world_size, is_main still answer: a summary printed after the block asks them
+            raise used_after_the_block(call)
         if self.ctx is None:
             raise UsageError("the session is not set up: use it as `with elastictrain.Session(config) as session:`")
         return self.ctx
 
+    def _loader_finished(self) -> bool:
+        self._context("iterating session.loader()'s loader")
+        return self.machine.finished
+
     def _in_setup(self, call: str, why: str = "") -> None:
-        self._context()
+        self._context(f"session.{call}()")
         if self.machine.state is not State.SETUP:
             raise UsageError(f"session.{call}() after session.restore(): {why or 'set the session up before restoring'}")
 
     def _training(self, call: str) -> None:
-        self._context()
+        self._context(f"session.{call}()")
         if self.machine.state is State.SETUP:
             raise UsageError(f"session.{call}() before session.restore(): restore first (a fresh start when there is "
                              "no snapshot), so that training continues from the newest snapshot")

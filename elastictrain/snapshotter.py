@@ -50,6 +50,14 @@ from .storage import SnapshotStore
 log = logging.getLogger("elastictrain")
 
 
+def store_key(cfg: Config, tier: str) -> str:
+    """The key a message about a tier's store tells the user to change: the one that set its URL (the durable store
+    defaults to <run.dir>/snapshots: a run.dir that cannot be written is fixed in run.dir)."""
+    if tier == "local":
+        return "snapshot.local.url"
+    return "snapshot.durable.url" if cfg.snapshot.durable.url else "run.dir"
+
+
 class Snapshotter:
     """Save and restore the model plus every Stateful in ``statefuls`` (name -> object or None)."""
 
@@ -80,7 +88,7 @@ class Snapshotter:
         fsdp = cfg.dist.strategy == "fsdp"
         self.store = SnapshotStore(url, options, retry_for_s=retry_for_s,  # fsdp: no recycling (fast_shards.py says why)
                                    recycle_keep_last=self.keep_last if tier == "local" and not fsdp else 0,
-                                   url_key="snapshot.durable.url" if tier == "durable" else "snapshot.local.url")
+                                   url_key=store_key(cfg, tier))
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None

@@ -67,6 +67,10 @@ def plot(run: RunState, run_dir: str, run_name: str) -> None:
     except ElastictrainError as exc:  # matplotlib missing: the run itself is fine
         log.info("no plots: %s", exc)
         return
+    except OSError as exc:  # a run.dir that cannot be written: the run and its snapshots are fine, it ends DONE
+        log.warning("no plots: %s cannot be written (%s); point run.dir at a writable directory, or set "
+                    "log.plots=false — the run finished and its snapshots are intact", out_dir, exc.strerror or exc)
+        return
     log.info("plots of %d metric(s) in %s", len(paths), out_dir)
 
 

@@ -252,7 +252,8 @@ def test_an_anomaly_before_the_first_snapshot_stops_with_one_line(tmp_path, caps
         custom_loop(config(tmp_path), points(ORDER[3]))  # step 1; the first snapshot is step 4's
     message = str(raised.value)
     assert message == ("anomaly at step 1 (loss nan) and no snapshot to roll back to yet: training stopped; "
-                       "take snapshots more often (snapshot.local.every_steps), or set anomaly.policy=skip")
+                       "take snapshots more often (snapshot.durable.every_steps, or a fast tier: snapshot.local.url "
+                       "with snapshot.local.every_steps), or set anomaly.policy=skip")
     assert "Traceback" not in capsys.readouterr().err
 
 

@@ -126,6 +126,16 @@ def test_config_reference_hook_reads_every_kind_of_description_and_walks_sub_sec
     assert "| `durable.keep` | int ≥ 1 | `2` | from Field(description=) |" in markdown
 
 
+def test_the_config_reference_in_the_repository_is_the_one_the_site_renders():
+    spec = importlib.util.spec_from_file_location("config_reference", REPO_ROOT / "docs" / "hooks" / "config_reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (REPO_ROOT / "docs" / "reference" / "config.md").read_text()
+    assert hook.END in page, "docs/reference/config.md holds no generated tables: run python docs/hooks/config_reference.py"
+    assert hook.page_text(page) == page, ("docs/reference/config.md is behind elastictrain/config.py: run "
+                                          "python docs/hooks/config_reference.py and commit the page")
+
+
 def test_every_config_key_the_docs_name_exists():
     """A key named in prose (`snapshot.durable.keep_last`, `train.scale_lr=true`) must be one the schema has, so a renamed key cannot
     leave the guides behind. Free-form mappings (task.args, snapshot.durable.storage_options) take any key below them.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.errors import UsageError
+from elastictrain.errors import SnapshotError, UsageError
 from elastictrain.session import Session
 
 
@@ -267,3 +267,93 @@ def test_state_left_unregistered_is_one_warning_line_at_restore(tmp_path, capsys
     assert said == ([] if warning is None else [said[0]]) and (warning is None or warning in said[0]), err
     if warning:
         assert err.index(warning) < err.index("state RESTORE -> TRAIN")
+
+
+def test_an_optimizer_of_another_class_than_the_snapshots_is_one_line_at_restore(tmp_path, capsys):
+    cfg = config(tmp_path, max_steps=4)
+    custom_loop(cfg)  # Adam's state in the snapshot
+    capsys.readouterr()
+    with pytest.raises(SnapshotError) as raised:
+        with Session(cfg) as session:
+            model = mlp()
+            session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            session.loader(points())
+            session.restore()
+    message = str(raised.value)
+    assert "\n" not in message and "Traceback" not in capsys.readouterr().err
+    assert "('optimizer') was saved with an optimizer with the options amsgrad, betas, capturable, " in message
+    assert "which this run's SGD does not have (it has dampening, momentum, nesterov): its state cannot be loaded; " \
+           "use the optimizer the snapshot was taken with, or start fresh with snapshot.durable.url set to an empty " \
+           "location" in message, message
+
+
+def a_short_loop(cfg: dict) -> Session:
+    with Session(cfg) as session:
+        model, optimizer, loader = set_up(session)
+        for _epoch in session.epochs():
+            for inputs, labels in loader:
+                loss = F.cross_entropy(model(inputs), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                session.step(loss=loss)
+    return session
+
+
+def test_a_run_dir_that_cannot_be_written_costs_a_finished_run_its_plots_only(tmp_path, capsys):
+    """Snapshots elsewhere, run.dir under a regular file (no chmod: the tests run as root): the run ends DONE and the
+    plots it cannot draw are one warning, not an exit 1 (under torchrun: restarts of a finished run)."""
+    (tmp_path / "a-file").write_bytes(b"")
+    cfg = config(tmp_path, max_steps=4)
+    cfg["run"]["dir"] = str(tmp_path / "a-file" / "run")
+    cfg["log"]["plots"] = True
+    assert a_short_loop(cfg).summary.state == "DONE"
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"WARNING no plots: {tmp_path}/a-file/run/plots cannot be written (Not a directory); point run.dir at a " \
+           "writable directory, or set log.plots=false — the run finished and its snapshots are intact" in err, err
+
+
+def test_a_run_dir_that_cannot_hold_the_snapshots_is_told_to_change_run_dir(tmp_path, capsys):
+    """The durable store defaults to <run.dir>/snapshots: the key to change is run.dir, not snapshot.durable.url."""
+    from elastictrain.errors import StorageError
+
+    (tmp_path / "a-file").write_bytes(b"")
+    cfg = config(tmp_path, max_steps=4)
+    cfg["run"]["dir"] = str(tmp_path / "a-file" / "run")
+    del cfg["snapshot"]["durable"]["url"]
+    with pytest.raises(StorageError) as raised:
+        a_short_loop(cfg)
+    assert str(raised.value).endswith("is not writable (NotADirectoryError: [Errno 20] Not a directory: "
+                                      f"'{tmp_path}/a-file/run'); check the path/credentials or set run.dir")
+
+
+@pytest.mark.parametrize("call", ["session.epochs()", "iterating session.loader()'s loader", "session.step()",
+                                  "session.restore()"])
+def test_the_loop_dedented_out_of_the_with_block_is_one_line(tmp_path, capsys, call):
+    """Found by a new user: the loop one indent too far left trained unseen in one process, and under torchrun met
+    torch's "process group not initialized"."""
+    with Session(config(tmp_path)) as session:
+        model, optimizer, loader = set_up(session)
+    with pytest.raises(UsageError) as raised:
+        if call == "session.epochs()":
+            next(iter(session.epochs()))
+        elif call.startswith("iterating"):
+            next(iter(loader))
+        elif call == "session.step()":
+            session.step(loss=torch.tensor(1.0))
+        else:
+            session.restore()
+    assert str(raised.value) == (f"{call} after the `with Session(...)` block ended: indent the training loop inside "
+                                 "`with Session(...) as session:`, where the session restores, steps and snapshots")
+    assert session.rank == 0  # what a summary printed after the block asks still answers
+
+
+def test_a_key_that_does_nothing_as_set_is_one_warning_at_restore(tmp_path, capsys):
+    cfg = config(tmp_path, max_steps=4)
+    cfg["snapshot"]["local"] = {"every_steps": 2}  # no snapshot.local.url: no fast tier to pace
+    a_short_loop(cfg)
+    err = capsys.readouterr().err
+    assert err.count("these keys do nothing as set:") == 1
+    assert "WARNING these keys do nothing as set: snapshot.local.every_steps=2 (needs snapshot.local.url: the fast " \
+           "tier is off; set it to a node-local path such as /dev/shm)\n" in err, err

@@ -179,7 +179,9 @@ def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr
     """Found by the chaos soak: a rollback restores into the running optimizer, whose lr a scheduler has moved since
     the snapshot; what the user chose (the starting lr) is the same, so no "start fresh" advice."""
     from elastictrain import resume_checks
+    from elastictrain.config import load_config
 
+    cfg = load_config({"run": {"dir": "/tmp/a-run"}})
     said = []
     monkeypatch.setattr(resume_checks.log, "warning", lambda *args: said.append(args[0] % args[1:]))
     model = torch.nn.Linear(2, 2)
@@ -189,10 +191,34 @@ def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr
     for _ in range(3):
         optimizer.step()
         scheduler.step()
-    resume_checks.warn_on_changed_hyperparameters(optimizer, saved, "snapshot s")
+    resume_checks.warn_on_changed_hyperparameters(optimizer, saved, "snapshot s", cfg)
     assert said == []
 
     chosen = torch.optim.AdamW(model.parameters(), lr=1e-5)  # another lr in the script, under a scheduler too
     torch.optim.lr_scheduler.StepLR(chosen, step_size=1, gamma=0.5)
-    resume_checks.warn_on_changed_hyperparameters(chosen, saved, "snapshot s")
+    resume_checks.warn_on_changed_hyperparameters(chosen, saved, "snapshot s", cfg)
     assert len(said) == 1 and "(lr 0.003 -> 1e-05)" in said[0], said
+    # With run.dir set, another run.name resumes the same snapshots again: the advice names the key that works.
+    assert "start fresh with another run.dir (snapshots go to /tmp/a-run/snapshots) to train with the new ones" \
+        in said[0], said
+
+
+def test_an_optimizer_state_is_refused_only_when_this_optimizer_cannot_take_it():
+    """Keys one side only has are a torch version's new options (accepted); keys differing both ways are another
+    class, and another number of parameter groups cannot load either."""
+    from elastictrain import resume_checks
+    from elastictrain.config import load_config
+
+    cfg = load_config()
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    older_torch = sgd.state_dict()
+    older_torch["param_groups"][0].pop("fused")  # an option a later torch added
+    resume_checks.check_optimizer_fits(sgd, older_torch, "snapshot s", cfg)
+    with pytest.raises(SnapshotError, match=r"^snapshot s was saved with an optimizer with the options amsgrad, betas, "
+                                            r"capturable, decoupled_weight_decay, eps, which this run's SGD does not "
+                                            r"have \(it has dampening, momentum, nesterov\): its state cannot be loaded"):
+        resume_checks.check_optimizer_fits(sgd, torch.optim.Adam(model.parameters()).state_dict(), "snapshot s", cfg)
+    two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, momentum=0.9)
+    with pytest.raises(SnapshotError, match=r"^snapshot s was saved with 1 parameter group\(s\), this run's SGD has 2"):
+        resume_checks.check_optimizer_fits(two_groups, sgd.state_dict(), "snapshot s", cfg)

@@ -32,16 +32,27 @@ from pydantic import BaseModel  # noqa: E402
 
 from elastictrain.config import Config  # noqa: E402
 
-MARKER = "<!-- config-reference -->"
+MARKER, END = "<!-- config-reference -->", "<!-- /config-reference -->"
 PAGE = "reference/config.md"
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri != PAGE:
         return markdown
+    return page_text(markdown)
+
+
+def page_text(markdown: str) -> str:
+    """The page with its generated part, from MARKER to END (or after a lone MARKER), rendered from the schema now.
+
+    The repository holds the page as this returns it (tests/test_docs.py keeps the two equal), so the reference
+    reads the same on GitHub as on the site; ``python docs/hooks/config_reference.py`` rewrites it.
+    """
     if MARKER not in markdown:
         raise ValueError(f"docs/{PAGE} lost its marker {MARKER}: the generated config reference has nowhere to go")
-    return markdown.replace(MARKER, render(Config, Config().model_dump(mode="json")))
+    head, rest = markdown.split(MARKER, 1)
+    tail = rest.split(END, 1)[1] if END in rest else "\n"
+    return f"{head}{MARKER}\n\n{render(Config, Config().model_dump(mode='json')).rstrip()}\n\n{END}{tail}"
 
 
 def render(model: type[BaseModel], defaults: dict[str, Any], path: tuple[str, ...] = (), intro: str = "") -> str:
@@ -182,3 +193,9 @@ def _escape(text: str) -> str:
 
 def _cell(text: str) -> str:
     return _escape(text).replace("|", "\\|")
+
+
+if __name__ == "__main__":  # python docs/hooks/config_reference.py: the committed page, regenerated from the schema
+    path = REPO_ROOT / "docs" / PAGE
+    path.write_text(page_text(path.read_text()))
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
