@@ -119,4 +119,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("STEP_PROFILE"):  # a directory: each rank's cProfile of its whole run, rank<N>.prof
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.runcall(main)
+        profile.dump_stats(os.path.join(os.environ["STEP_PROFILE"], f"rank{os.environ.get('RANK', '0')}.prof"))
+    else:
+        main()
