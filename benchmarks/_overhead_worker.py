@@ -1,5 +1,6 @@
 """One worker of the step-overhead benchmark: the same model, data and batch trained by a
-textbook DDP loop (``hand``) or by elastictrain with snapshots off (``elastictrain``).
+textbook DDP loop (``hand``), by elastictrain's ``Trainer`` (``elastictrain``) or by a custom loop on
+``Session`` (``session``), with the config step_overhead.py passes in ``OVERHEAD_CONFIG``.
 
 Both record a timestamp at every training forward on rank 0; the steady-state step time is the
 span between the forward of step ``--warmup`` and the last one, divided by the steps between.
@@ -25,8 +26,10 @@ from torch.utils.data.distributed import DistributedSampler
 MODELS = {
     "wide": lambda: nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10)),
     "tiny": lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)),
+    # issue 52's small model: 4xLinear(64), trained with SGD at batch 64 per rank (benchmarks/step_overhead.py)
+    "small": lambda: nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 10)),
 }
-FEATURES = {"wide": 1024, "tiny": 32}
+FEATURES = {"wide": 1024, "tiny": 32, "small": 64}
 
 
 def dataset(model: str, samples: int) -> TensorDataset:
@@ -35,9 +38,17 @@ def dataset(model: str, samples: int) -> TensorDataset:
                          torch.randint(0, 10, (samples,), generator=generator))
 
 
+def merged(base: dict, values: dict) -> dict:
+    """``values`` over ``base``, nested sections merged key by key."""
+    out = dict(base)
+    for key, value in values.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("hand", "elastictrain"), required=True)
+    parser.add_argument("--mode", choices=("hand", "elastictrain", "session"), required=True)
     parser.add_argument("--model", choices=tuple(MODELS), required=True)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
@@ -49,7 +60,8 @@ def main() -> None:
     samples = args.steps * args.batch_size * world
     torch.manual_seed(0)
     model = MODELS[args.model]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2) if args.model == "small" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
     stamps: list[float] = []
 
     def loss_fn(module, batch):
@@ -71,6 +83,7 @@ def main() -> None:
         dist.destroy_process_group()
     else:
         from elastictrain import Trainer
+        from elastictrain.session import Session
 
         config = {
             "run": {"dir": args.run_dir},
@@ -79,10 +92,26 @@ def main() -> None:
             "log": {"progress_bar": False, "plots": False, "level": "WARNING"},
         }
         for section, values in json.loads(os.environ.get("OVERHEAD_CONFIG", "{}")).items():
-            config[section] = {**config.get(section, {}), **values}
-        trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config)
-        trainer.fit()
-        rank = trainer.session.rank
+            config[section] = merged(config.get(section, {}), values)
+        if args.mode == "elastictrain":
+            trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config)
+            trainer.fit()
+            rank = trainer.session.rank
+        else:  # a custom loop on Session, written as its docs say: gradients_ok before each update
+            with Session(config) as session:
+                ddp = session.wrap(model)
+                session.register(model=model, optimizer=optimizer)
+                loader = session.loader(dataset(args.model, samples))
+                session.restore()
+                for _epoch in session.epochs():
+                    for batch in loader:
+                        loss = loss_fn(ddp, batch)
+                        optimizer.zero_grad(set_to_none=True)
+                        loss.backward()
+                        if session.gradients_ok(loss=loss):
+                            optimizer.step()
+                        session.step(loss=loss)
+                rank = session.rank
     if rank == 0:
         span = stamps[-1] - stamps[args.warmup]
         with open(args.out, "w") as out:
@@ -90,4 +119,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("STEP_PROFILE"):  # a directory: each rank's cProfile of its whole run, rank<N>.prof
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.runcall(main)
+        profile.dump_stats(os.path.join(os.environ["STEP_PROFILE"], f"rank{os.environ.get('RANK', '0')}.prof"))
+    else:
+        main()
