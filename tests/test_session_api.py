@@ -73,10 +73,7 @@ def test_a_step_before_restore_is_one_line(tmp_path, capsys):
 
 def test_a_step_after_the_wrong_number_of_micro_batches_is_one_line(tmp_path, capsys):
     def body(session):
-        model = mlp()
-        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        loader = session.loader(points())
-        session.restore()
+        _model, _optimizer, loader = set_up(session)
         for _inputs, _labels in loader:
             session.step()  # after one micro-batch; a step takes two
 
@@ -89,10 +86,7 @@ def test_a_rank_that_skips_session_step_is_one_line_at_its_next_batch(tmp_path, 
     # Under torchrun, `if session.is_main: session.step()` left the other ranks in mismatched collectives until the
     # watchdog's 30 s; the rank that skips step() now says so before it reads the next step's batches.
     def body(session):
-        model = mlp()
-        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        loader = session.loader(points())
-        session.restore()
+        _model, _optimizer, loader = set_up(session)
         for _inputs, _labels in loader:
             pass
 
