@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from .errors import ElastictrainError
+
+SAY_WAIT_S = 30.0  # how long the other local ranks of a later attempt wait for local rank 0's line
 
 MARKER_NAME = "elastictrain-fatal-error.json"
 _SAID = "_elastictrain_says_it"  # on an exception: whether this process says it, once decided
@@ -118,6 +121,15 @@ def stop_if_an_earlier_attempt_failed(environ: Mapping[str, str] | None = None) 
     earlier = earlier_attempt_failed(env)
     if earlier is None:
         return
+    restart = int(env["TORCHELASTIC_RESTART_COUNT"])
+    said = marker_path(env).with_name(f"said-{restart}")  # local rank 0 has printed this attempt's line
     if env.get("LOCAL_RANK", "0") == "0":
-        print(earlier.line(int(env["TORCHELASTIC_RESTART_COUNT"])), file=sys.stderr, flush=True)
+        print(earlier.line(restart), file=sys.stderr, flush=True)
+        said.touch()
+    else:
+        # torchrun stops the whole group when one worker exits: a rank that exited at once could end local rank 0
+        # (still starting its interpreter) before it said the line. Wait for it, boundedly.
+        deadline = time.monotonic() + SAY_WAIT_S
+        while not said.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     raise SystemExit(earlier.exit_code)

@@ -173,6 +173,8 @@ def test_a_later_attempt_stops_on_import_with_the_line_said_by_local_rank_0_only
         said = capsys.readouterr().err.splitlines()
         assert said == (["elastictrain: error: session.step() twice (rank 1 met it in attempt 0; restart 1 stopped at "
                          "once: no restart can fix it)"] if says else []), said
+    # The other local ranks wait for this mark before they exit: torchrun would end local rank 0 with them.
+    assert (run_dir / "said-1").exists()
     stop_if_an_earlier_attempt_failed({**torchrun_env(run_dir, 0, 0), "LOCAL_RANK": "0"})  # its own attempt: goes on
 
 
