@@ -25,8 +25,9 @@ import torch
 
 import elastictrain
 from benchmarks import _big_task
-from elastictrain import snapshot
-from elastictrain.storage import SnapshotStore
+from elastictrain.core import rng
+from elastictrain.snapshot import format as snapshot
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 
 def build_objects() -> dict:
@@ -41,7 +42,7 @@ def build_objects() -> dict:
         "format_version": 1,
         "optimizer": optimizer.state_dict(),
         "progress": {"global_step": 1, "epoch": 0, "epoch_offset": 16},
-        "rng": [snapshot.capture_rng(torch.device("cpu"))],
+        "rng": [rng.capture_rng(torch.device("cpu"))],
     }
     return {"model.pt": model.state_dict(), "state.pt": state}
 
@@ -78,7 +79,7 @@ class Worker:
         self.objects = build_objects()
         self.serialised: dict[str, bytes] | None = None
         self.read_log = ReadLog()
-        storage_log = logging.getLogger("elastictrain.storage")
+        storage_log = logging.getLogger("elastictrain.storage.snapshot_store")
         storage_log.addHandler(self.read_log)
         storage_log.setLevel(logging.INFO)
         storage_log.propagate = False

@@ -43,7 +43,7 @@ def hand(model: nn.Module, optimizer: torch.optim.Optimizer, data, batch_size: i
 
 def custom_loop(model: nn.Module, optimizer: torch.optim.Optimizer, data, batch_size: int, stamps: list[float],
                 report: Callable[[int], None], run_dir: str) -> None:
-    from elastictrain.session import Session
+    from elastictrain.train.session import Session
 
     config = {
         "run": {"dir": run_dir},

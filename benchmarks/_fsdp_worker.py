@@ -95,7 +95,7 @@ def main() -> None:
         dist.destroy_process_group()
     else:
         from elastictrain import Trainer
-        from elastictrain.events import Observer
+        from elastictrain.core.events import Observer
 
         class Blocked(Observer):
             def snapshotted(self, report) -> None:

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from elastictrain.warmstart import process_started_unix  # standard library only: torch is not imported yet
+from elastictrain.launcher.warmstart import process_started_unix  # standard library only: torch is not imported yet
 
 CREATED_UNIX = process_started_unix()  # before torch is imported: the import is part of a restart's cost
 
@@ -167,7 +167,7 @@ def main() -> None:
     stamps = Stamps(rank, restart)
     stamps.event("exec", when=CREATED_UNIX)
     if args.loop == "elastictrain":
-        import elastictrain.loop  # noqa: F401  (its import time is part of every restart)
+        import elastictrain.train.trainer  # noqa: F401  (its import time is part of every restart)
     stamps.event("imported")
     run = textbook if args.loop == "textbook" else with_elastictrain
     run(args, stamps, int(os.environ["WORLD_SIZE"]))

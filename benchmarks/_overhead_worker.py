@@ -83,7 +83,7 @@ def main() -> None:
         dist.destroy_process_group()
     else:
         from elastictrain import Trainer
-        from elastictrain.session import Session
+        from elastictrain.train.session import Session
 
         config = {
             "run": {"dir": args.run_dir},

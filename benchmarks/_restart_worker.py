@@ -1,7 +1,7 @@
 """One torchrun worker for benchmarks/restart_recovery.py: DDP training with one of two process-group inits.
 
 ``--init textbook`` is ``dist.init_process_group("gloo")`` (env://), as in the PyTorch DDP
-tutorial; ``--init elastictrain`` is ``elastictrain.dist.setup``. Everything after the init is
+tutorial; ``--init elastictrain`` is ``elastictrain.dist.group.setup``. Everything after the init is
 the same code, so the benchmark compares only the init. On restart 0, rank 1 writes its pid to
 ``<workdir>/kill-me.pid`` at step 5 and keeps training, for the harness to SIGKILL it.
 """
@@ -35,8 +35,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         ctx = None
     else:
-        from elastictrain.config import DistConfig
-        from elastictrain.dist import setup
+        from elastictrain.core.config import DistConfig
+        from elastictrain.dist.group import setup
 
         ctx = setup(DistConfig(init_timeout_s=30, collective_timeout_s=30))
     rank = dist.get_rank()
@@ -58,7 +58,7 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     else:
-        from elastictrain.dist import teardown
+        from elastictrain.dist.group import teardown
 
         teardown(ctx)
     print(f"rank {rank} restart {restart_count} done", flush=True)

@@ -33,7 +33,7 @@ IMPORTED_UNIX = time.time()
 
 
 def spirals(samples: int = 8192, classes: int = 3, noise: float = 0.15, seed: int = 1234):
-    """elastictrain.tasks.spirals' model, optimizer, scheduler and training data, with its defaults."""
+    """elastictrain.train.tasks.spirals' model, optimizer, scheduler and training data, with its defaults."""
     generator = torch.Generator().manual_seed(seed)
     labels = torch.randint(classes, (samples,), generator=generator)
     radius = torch.rand(samples, generator=generator)

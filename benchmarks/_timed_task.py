@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from elastictrain import Task
-from elastictrain.tasks import spirals as spirals_task
+from elastictrain.train.tasks import spirals as spirals_task
 
 from benchmarks import _big_task
 

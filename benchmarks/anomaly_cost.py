@@ -60,7 +60,7 @@ def check_alone(model_name: str, blocks: int = 12, steps: int = 20) -> float:
     import torch.nn.functional as F
 
     from _overhead_worker import MODELS, dataset  # the step-overhead job's models and data
-    from elastictrain.anomalies import grad_norm
+    from elastictrain.health.anomalies import grad_norm
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

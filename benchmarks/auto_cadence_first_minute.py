@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastictrain.snapshot_tools import open_store, show_document
+from elastictrain.cli.snapshot_tools import open_store, show_document
 
 FIRST_INTERVAL = re.compile(r"fast-tier copies every ([\d.]+) s from now on \(auto, Young/Daly: (\d+) ms a copy")
 

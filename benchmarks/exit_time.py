@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-FINALIZED = "import sys; from elastictrain import cli; sys.argv[0] = 'elastictrain'; sys.exit(cli.main())"
+FINALIZED = "import sys; from elastictrain.cli import main as cli; sys.argv[0] = 'elastictrain'; sys.exit(cli.main())"
 
 
 def one(mode: str, steps: int, workdir: pathlib.Path) -> dict:

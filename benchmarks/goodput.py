@@ -23,10 +23,10 @@ after the last, and the faulted jobs in an order rotated from one repeat to the 
   snapshots written in the background with ``--fast-async`` (default), while training waits
   without; fast copies while training waits (``--no-fast-local-async``, the default: on two busy
   cores a background write only competes with the step) or in the background;
-- ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.warmstart
-  WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/warmstart.py).
+- ``elastictrain-warm``: ``elastictrain-fast`` launched as ``torchrun ... -m elastictrain.launcher.warmstart
+  WORKER``: every restarted worker is forked from a preloaded interpreter (elastictrain/launcher/warmstart.py).
 - ``elastictrain-warm-timed``: ``elastictrain-warm`` with ``snapshot.local.survivor_copies=false``: only
-  timed fast copies, no survivor copy of the step a worker died in (elastictrain/survivor.py), so
+  timed fast copies, no survivor copy of the step a worker died in (elastictrain/snapshot/survivor.py), so
   the two side by side show what survivor copies are worth.
 
 A faulted job's reference step time is the mean step time of the two reference runs around it
@@ -98,7 +98,7 @@ class Job:
     epoch_steps: int
     config: dict = field(default_factory=dict)  # elastictrain: merged into its config
     fast_tier_url: str | None = None  # elastictrain-fast: where its node-local copies go
-    warm: bool = False  # elastictrain-warm: torchrun starts -m elastictrain.warmstart before the worker
+    warm: bool = False  # elastictrain-warm: torchrun starts -m elastictrain.launcher.warmstart before the worker
     checkpoint: bool = True  # textbook: save at each epoch's end; the unbroken references save nothing
 
     @property
@@ -154,7 +154,7 @@ def torchrun_command(job: Job, workdir: pathlib.Path) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={WORLD_SIZE}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1",
-        *(["-m", "elastictrain.warmstart"] if job.warm else []),
+        *(["-m", "elastictrain.launcher.warmstart"] if job.warm else []),
         str(WORKER), f"--loop={job.loop}", f"--workdir={workdir}", f"--epochs={job.epochs}",
         f"--epoch-steps={job.epoch_steps}", f"--config={json.dumps(job.config)}",
         *([] if job.checkpoint else ["--no-checkpoint"]),

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastictrain import Task, Trainer
-from elastictrain.events import Observer
+from elastictrain.core.events import Observer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHM = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())

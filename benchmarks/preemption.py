@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.helpers import procs
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent

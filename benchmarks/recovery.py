@@ -32,7 +32,7 @@ step 110) and the ~200 MB state (``benchmarks/_big_task.py``; snapshot every 5 s
 step, so the restart restores the node's copy of step 7 or 6 instead of the durable step 5; the
 tier's directory is removed after each trial). Modes alternate within each trial. Import cost is also measured at the end by starting two
 interpreters at once (as torchrun starts two workers) that import torch alone, and
-``elastictrain.loop`` (what ``python -m elastictrain train`` imports before it builds anything).
+``elastictrain.train.trainer`` (what ``python -m elastictrain train`` imports before it builds anything).
 
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --trials 5
 """
@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 
-from elastictrain.warmstart import process_started_unix
+from elastictrain.launcher.warmstart import process_started_unix
 from tests.helpers import procs
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ JOBS = {
         "snapshot_step": 5, "kill_at_step": 7,
     },
 }
-# Warm restarts: the same jobs with torchrun starting -m elastictrain.warmstart before the worker, so
+# Warm restarts: the same jobs with torchrun starting -m elastictrain.launcher.warmstart before the worker, so
 # the restarted workers are forked from a preloaded interpreter (torch, torch._dynamo, elastictrain).
 JOBS["default job + warm start"] = {**JOBS["default job"], "warm": True, "modes": ("elastictrain",)}
 JOBS["~200 MB state + fast tier + warm start"] = {**JOBS["~200 MB state + fast tier"], "warm": True}
@@ -108,7 +108,7 @@ OVERRIDES: list[str] = []
 def command(mode: str, job: dict, workdir: pathlib.Path) -> list[str]:
     if mode == "elastictrain":
         fast = [f"snapshot.local.url={fast_tier_dir(workdir)}"] if job.get("fast_tier") else []
-        warm = ["-m", "elastictrain.warmstart"] if job.get("warm") else []
+        warm = ["-m", "elastictrain.launcher.warmstart"] if job.get("warm") else []
         track = ["track.tensorboard=true", f"track.mlflow_uri={MLFLOW_URI}", f"track.mlflow_experiment={workdir.name}"
                  ] if job.get("trackers") else []
         return [*TORCHRUN, *warm, "-m", "elastictrain", "train", f"run.dir={workdir}", *job["elastictrain"], *fast,
@@ -257,9 +257,9 @@ def phases(mode: str, found: list[tuple], killed_unix: float, worker_start_unix:
 
 
 def import_cost(repeats: int) -> dict:
-    """Wall time of two interpreters started at once importing torch alone, and elastictrain.loop."""
+    """Wall time of two interpreters started at once importing torch alone, and elastictrain.train.trainer."""
     code = "import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
-    modules = ("torch", "elastictrain.loop")
+    modules = ("torch", "elastictrain.train.trainer")
     walls: dict[str, list[dict]] = {module: [] for module in modules}
     for repeat in range(repeats):
         for module in modules if repeat % 2 == 0 else modules[::-1]:  # interleaved: load drift falls on both

@@ -1,7 +1,7 @@
 """What the replica check costs at each snapshot, beside the snapshot of the same ~200 MB state, on 2 gloo ranks.
 
 Before every snapshot (both tiers) and at the run's end every rank fingerprints its registered
-models and optimizers and the ranks gather the digests (``elastictrain/replicas.py``). Two ranks
+models and optimizers and the ranks gather the digests (``elastictrain/health/replicas.py``). Two ranks
 (``torch.multiprocessing``, gloo over loopback, one intra-op thread each) hold the ~200 MB state of
 ``benchmarks/_big_task.py`` (16.7 M parameters and Adam's two moments) after one DDP step, and time,
 every repetition in a rotated order:
@@ -51,12 +51,12 @@ MODES = ("fingerprint", "check", "snapshot, blocking", "snapshot, /dev/shm", "sn
 def worker(rank: int, port: int, scratch: str, repeats: int, results: dict) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks._big_task import build
-    from elastictrain.config import load_config
-    from elastictrain.ddp import wrap_model
-    from elastictrain.dist import DistContext
-    from elastictrain.launch_env import LaunchEnv
-    from elastictrain.replicas import ReplicaCheck, fingerprint
-    from elastictrain.snapshotter import Snapshotter
+    from elastictrain.core.config import load_config
+    from elastictrain.dist.ddp import wrap_model
+    from elastictrain.dist.group import DistContext
+    from elastictrain.launcher.launch_env import LaunchEnv
+    from elastictrain.health.replicas import ReplicaCheck, fingerprint
+    from elastictrain.snapshot.snapshotter import Snapshotter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -115,7 +115,7 @@ def one_process(repeats: int = 3) -> dict[str, float]:
     """The least of ``repeats`` ms: xxh3 (what replicas.py does) against float64 sums, one process, one thread."""
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks._big_task import build
-    from elastictrain.replicas import fingerprint
+    from elastictrain.health.replicas import fingerprint
 
     torch.set_num_threads(1)
     task = build()

@@ -12,9 +12,9 @@ that pid from outside. The trial then waits for the agent, up to ``--hang-timeou
 
 It also counts the logs that contain gloo's ``connectFullMesh`` or ``Connection refused``:
 the sign of a restarted rank reading the dead attempt's addresses from the agent's store
-(see the docstring of ``elastictrain/dist.py``). The two modes differ only in the init:
+(see the docstring of ``elastictrain/dist/group.py``). The two modes differ only in the init:
 ``textbook`` is ``dist.init_process_group("gloo")``, ``elastictrain`` is
-``elastictrain.dist.setup``.
+``elastictrain.dist.group.setup``.
 
 Run it from the repository root (about 1 to 2 minutes per trial pair; a hang costs the timeout):
 

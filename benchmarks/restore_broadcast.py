@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastictrain import snapshot
-from elastictrain.storage import SnapshotStore
+from elastictrain.snapshot import format as snapshot
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("broadcast_object_list", "tensor broadcast", "every rank reads")

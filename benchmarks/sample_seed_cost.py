@@ -1,4 +1,4 @@
-"""Cost per sample of seeding augmentation from the sample (elastictrain/sample_seeds.py).
+"""Cost per sample of seeding augmentation from the sample (elastictrain/data/sample_seeds.py).
 
 Times the fetch of batches of trivial samples (a 2-float tensor, no augmentation) plain and
 through ``SeededSamples``, as the DataLoader does (``__getitems__``): in a DataLoader worker (the
@@ -25,8 +25,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from elastictrain import sample_seeds
-from elastictrain.sample_seeds import SeededSamples, sample_seed
+from elastictrain.data import sample_seeds
+from elastictrain.data.sample_seeds import SeededSamples, sample_seed
 
 RESULT = pathlib.Path(__file__).resolve().parent / "results" / "sample_seed_cost.json"
 

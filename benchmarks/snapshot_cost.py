@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import _big_task
 from elastictrain import Trainer
-from elastictrain.events import Observer
+from elastictrain.core.events import Observer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # fast_tier: snapshots to node memory only (snapshot.local.url under /dev/shm), in the background;

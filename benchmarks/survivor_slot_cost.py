@@ -24,13 +24,13 @@ import time
 import torch
 
 from benchmarks._goodput_worker import build_model
-from elastictrain.config import load_config
-from elastictrain.dist import DistContext
-from elastictrain.launch_env import LaunchEnv
-from elastictrain.reduce import WeightedSums
-from elastictrain.snapshot import History, Progress
-from elastictrain.snapshotter import Snapshotter
-from elastictrain.survivor import SurvivorCopies
+from elastictrain.core.config import load_config
+from elastictrain.dist.group import DistContext
+from elastictrain.launcher.launch_env import LaunchEnv
+from elastictrain.dist.reduce import WeightedSums
+from elastictrain.core.progress import History, Progress
+from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.snapshot.survivor import SurvivorCopies
 
 CPU = torch.device("cpu")
 

@@ -12,25 +12,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import excepthook  # noqa: F401  (installs the one-line hook for user errors: excepthook.py)
-from .fatal import stop_if_an_earlier_attempt_failed
-from .threads import prepare_environment
+from elastictrain.core import excepthook  # noqa: F401  (installs the one-line hook for user errors: excepthook.py)
+from elastictrain.core.fatal import stop_if_an_earlier_attempt_failed
+from elastictrain.core.threads import prepare_environment
 
 stop_if_an_earlier_attempt_failed()  # under torchrun: a later attempt that would only fail the same way
 
 __version__ = "0.1.0"
 
-prepare_environment()  # before anything calls MKL (elastictrain/threads.py)
+prepare_environment()  # before anything calls MKL (elastictrain/core/threads.py)
 
 _EXPORTS = {
-    "Config": "config", "load_config": "config",
-    "ConfigError": "errors", "DistributedSetupError": "errors", "ElastictrainError": "errors", "UsageError": "errors",
-    "PeerLost": "errors", "SnapshotError": "errors", "StorageError": "errors", "StorageUnavailable": "errors",
-    "RunSummary": "summary", "Session": "session", "StepRunner": "step_runner", "Trainer": "loop",
-    "Observer": "events",
-    "Preempted": "signals", "PREEMPTED_EXIT_CODE": "signals",
-    "State": "states",
-    "Task": "task",
+    "Config": "core.config", "load_config": "core.config",
+    "ConfigError": "core.errors", "DistributedSetupError": "core.errors", "ElastictrainError": "core.errors",
+    "UsageError": "core.errors", "PeerLost": "core.errors", "SnapshotError": "core.errors",
+    "StorageError": "core.errors", "StorageUnavailable": "core.errors",
+    "RunSummary": "train.summary", "Session": "train.session", "StepRunner": "train.step_runner",
+    "Trainer": "train.trainer", "Task": "train.task",
+    "Observer": "core.events", "State": "core.states",
+    "Preempted": "core.signals", "PREEMPTED_EXIT_CODE": "core.signals",
 }
 
 __all__ = sorted([*_EXPORTS, "seed_everything"])
@@ -38,7 +38,7 @@ __all__ = sorted([*_EXPORTS, "seed_everything"])
 
 def __getattr__(name: str) -> Any:
     if name == "seed_everything":
-        return importlib.import_module(".snapshot", __name__).seed_rng
+        return importlib.import_module(".core.rng", __name__).seed_rng
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from .cli import run
+from elastictrain.cli.main import run
 
 run()

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import TensorDataset
 
-from elastictrain.session import Session
+from elastictrain.train.session import Session
 
 CONFIG = {
     "run": {"name": "accumulation"},

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.session import Session
+from elastictrain.train.session import Session
 
 NOISE = 4
 CONFIG = {

@@ -3,7 +3,7 @@ import sys
 import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
-from elastictrain.session import Session
+from elastictrain.train.session import Session
 
 
 class MyTrainDataset(Dataset):

@@ -120,15 +120,15 @@ def torchrun_launcher(*, nproc: int = 2, max_restarts: int = 3) -> list[str]:
 
 
 # Before the script on torchrun's line: restarted workers are forked from a preloaded interpreter
-# (elastictrain/warmstart.py). The suite's restart-heavy tests run so: a cold restart costs its two
+# (elastictrain/launcher/warmstart.py). The suite's restart-heavy tests run so: a cold restart costs its two
 # workers ~8.6 s of CPU importing torch, and the suite is mostly process starts on two cores. Tests
 # whose subject is how a worker starts (the launch recipes, the examples as users type them, the
 # main job, thread pinning, fail-fast) run cold.
-WARM = ["-m", "elastictrain.warmstart"]
+WARM = ["-m", "elastictrain.launcher.warmstart"]
 
 
 def torchrun_command(overrides: list[str], *, nproc: int = 2, max_restarts: int = 3, warmstart: bool = False) -> list[str]:
-    """`torchrun ... [-m elastictrain.warmstart] -m elastictrain train OVERRIDES`, as a list."""
+    """`torchrun ... [-m elastictrain.launcher.warmstart] -m elastictrain train OVERRIDES`, as a list."""
     warm = WARM if warmstart else []
     return [*torchrun_launcher(nproc=nproc, max_restarts=max_restarts), *warm, "-m", "elastictrain", "train", *overrides]
 

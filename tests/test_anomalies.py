@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks, where
-from elastictrain.data import Shard, ShardedBatchSampler, epoch_order
-from elastictrain.errors import AnomalyError
-from elastictrain.session import Session
-from elastictrain.update_check import Finding, decide_update, finding_of
+from elastictrain.health.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks, where
+from elastictrain.data.sampling import Shard, ShardedBatchSampler, epoch_order
+from elastictrain.core.errors import AnomalyError
+from elastictrain.train.session import Session
+from elastictrain.health.update_check import Finding, decide_update, finding_of
 
 NAN, INF = float("nan"), float("inf")
 
@@ -346,7 +346,7 @@ def test_gradients_ok_clips_to_train_clip_grad_norm_bitwise_as_clip_grad_norm_do
 def test_a_scaler_told_of_another_ranks_overflow_ends_as_one_that_saw_it():
     # StepRunner under a GradScaler: a rank whose gradients were finite while another rank's were not (a fault
     # after the all-reduce) must skip and back off as that rank's scaler does, or the replicas and scales part.
-    from elastictrain.step_runner import backed_off
+    from elastictrain.train.step_runner import backed_off
 
     def scaler_after(gradient: float) -> tuple[dict, torch.Tensor]:
         torch.manual_seed(0)

@@ -10,13 +10,13 @@ from collections import OrderedDict
 import pytest
 import torch
 
-import elastictrain.snapshotter as snapshotter_module
+import elastictrain.snapshot.snapshotter as snapshotter_module
 from elastictrain import State, StorageError, Trainer, seed_everything
-from elastictrain.events import Observer
-from elastictrain.snapshot import load_object
-from elastictrain.staging import Stager
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.core.events import Observer
+from elastictrain.snapshot.format import load_object
+from elastictrain.snapshot.staging import Stager
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 from tests.test_trainer import SMALL, config, memory_url
 
 

@@ -1,4 +1,4 @@
-"""The fast tier's timer (elastictrain/cadence.py): fixed and Young/Daly intervals, on a clock the test moves."""
+"""The fast tier's timer (elastictrain/snapshot/cadence.py): fixed and Young/Daly intervals, on a clock the test moves."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from elastictrain.cadence import COST_KEY, FIRST_INTERVAL_S, FastTierTimer, failures_and_exposure, young_daly_interval_s
-from elastictrain.events import SnapshotReport
-from elastictrain.states import State
+from elastictrain.snapshot.cadence import COST_KEY, FIRST_INTERVAL_S, FastTierTimer, failures_and_exposure, young_daly_interval_s
+from elastictrain.core.events import SnapshotReport
+from elastictrain.core.states import State
 
 
 class Clock:

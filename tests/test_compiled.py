@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from elastictrain import Trainer, seed_everything
-from elastictrain.ddp import state_module
-from elastictrain.snapshot import load_model_weights, load_object, without_compile_wrapper
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.dist.ddp import state_module
+from elastictrain.snapshot.format import load_model_weights, load_object, without_compile_wrapper
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 
 W = torch.zeros(1)
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from elastictrain.config import Config, load_config
-from elastictrain.config_errors import RENAMED_KEYS, _model_at
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import Config, load_config
+from elastictrain.core.config_errors import RENAMED_KEYS, _model_at
+from elastictrain.core.errors import ConfigError
 from tests.conftest import python_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -84,8 +84,8 @@ def test_unreadable_files_are_clear(tmp_path):
     [
         (["train.bach_size=3"], "did you mean 'train.batch_size'?"),
         (["task.factory=no_such_module:build"], "cannot import 'no_such_module'"),
-        (["task.factory=elastictrain.tasks.spirals:nope"], "has no function 'nope'"),
-        (["task.args.no_such_arg=1"], "task.args do not fit elastictrain.tasks.spirals:build"),
+        (["task.factory=elastictrain.train.tasks.spirals:nope"], "has no function 'nope'"),
+        (["task.args.no_such_arg=1"], "task.args do not fit elastictrain.train.tasks.spirals:build"),
         (["snapshot.local_url=/dev/shm"], "unknown key 'snapshot.local_url' (renamed: use 'snapshot.local.url')"),
     ],
 )
@@ -170,7 +170,7 @@ def test_every_duration_key_is_in_seconds_and_ends_in_s():
 
 def _number_keys():
     """Every numeric key of the schema (int or float, alone, in a union without bool, or a list of them)."""
-    from elastictrain.config import number_kind
+    from elastictrain.core.config import number_kind
     return {key: number_kind(field.annotation) for key, field in _leaves(Config) if number_kind(field.annotation)}
 
 
@@ -207,8 +207,8 @@ def test_yaml_off_still_turns_the_thread_count_off_and_booleans_stay_booleans():
                                  "overrides=['train.max_epochs=2']"),  # before: "override 't' is not of the form ..."
 ])
 def test_config_sources_that_mislead_are_one_line_saying_what_to_do(tmp_path, monkeypatch, source, overrides, expected):
-    from elastictrain.config import load_config
-    from elastictrain.errors import ConfigError
+    from elastictrain.core.config import load_config
+    from elastictrain.core.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.yaml").write_text("# nothing here yet\n")

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from elastictrain.data import EvalBatchSampler, Shard, ShardedBatchSampler, make_loader, steps_in_epoch
-from elastictrain.sample_seeds import own_generators, warn_own_generators
+from elastictrain.data.sampling import EvalBatchSampler, Shard, ShardedBatchSampler, make_loader, steps_in_epoch
+from elastictrain.data.sample_seeds import own_generators, warn_own_generators
 
 
 def global_steps(num_samples, world_size, batch_size, accum, seed, epoch, offset):

@@ -1,4 +1,4 @@
-"""The CUDA determinism settings (elastictrain/determinism.py): decided from the device as a table, applied once.
+"""The CUDA determinism settings (elastictrain/core/determinism.py): decided from the device as a table, applied once.
 
 The decision and its line are tested here without a GPU; the settings on a real CUDA run (and that they
 make a resume bitwise) are the cuda tier's (tests/test_resume.py's cuda variants).
@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from elastictrain import determinism
-from elastictrain.config import DistConfig
-from elastictrain.determinism import CUBLAS_VARIABLE, DeterminismSettings, apply, decide
-from elastictrain.dist import setup
+from elastictrain.core import determinism
+from elastictrain.core.config import DistConfig
+from elastictrain.core.determinism import CUBLAS_VARIABLE, DeterminismSettings, apply, decide
+from elastictrain.dist.group import setup
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.config import DistConfig
-from elastictrain.dist import setup
-from elastictrain.errors import ConfigError, DistributedSetupError
-from elastictrain.launch_env import detect_launch_env, first_slurm_host
+from elastictrain.core.config import DistConfig
+from elastictrain.dist.group import setup
+from elastictrain.core.errors import ConfigError, DistributedSetupError
+from elastictrain.launcher.launch_env import detect_launch_env, first_slurm_host
 
 TORCHRUN = {
     "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
@@ -72,9 +72,9 @@ def test_ddp_wrapping_options_on_a_real_one_rank_gloo_group():
     import torch.distributed as tdist
     from torch import nn
 
-    from elastictrain.ddp import unwrap, wrap_model
-    from elastictrain.dist import DistContext
-    from elastictrain.launch_env import LaunchEnv
+    from elastictrain.dist.ddp import unwrap, wrap_model
+    from elastictrain.dist.group import DistContext
+    from elastictrain.launcher.launch_env import LaunchEnv
 
     store = tdist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -106,9 +106,9 @@ def test_a_fatal_error_stops_later_rounds_and_not_its_own(recorded, restart, rou
 
     import torch.distributed as tdist
 
-    from elastictrain.dist import FATAL_KEY, check_no_fatal_error
-    from elastictrain.errors import RepeatedFatalError
-    from elastictrain.launch_env import LaunchEnv
+    from elastictrain.dist.group import FATAL_KEY, check_no_fatal_error
+    from elastictrain.core.errors import RepeatedFatalError
+    from elastictrain.launcher.launch_env import LaunchEnv
 
     store = tdist.HashStore()
     store.set(FATAL_KEY, json.dumps({**recorded, "rank": 0, "exit_code": 1, "kind": "SnapshotError"}))
@@ -126,9 +126,9 @@ def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it
     import torch
     import torch.distributed as tdist
 
-    from elastictrain.dist import DistContext
-    from elastictrain.launch_env import LaunchEnv
-    from elastictrain.lease_keeper import job_token
+    from elastictrain.dist.group import DistContext
+    from elastictrain.launcher.launch_env import LaunchEnv
+    from elastictrain.snapshot.lease_keeper import job_token
 
     def token(run_id, store):
         return job_token(DistContext(LaunchEnv("torchrun", run_id=run_id), True, torch.device("cpu"), "gloo", 60.0, store))
@@ -149,7 +149,7 @@ def test_a_torchrun_job_keeps_its_snapshot_lease_token_when_the_store_holding_it
     ("file:///tmp/memory://x", 3, False),  # a path, not the memory filesystem
 ])
 def test_a_store_inside_the_process_is_refused_when_restarts_are_new_processes(url, max_restarts, refused):
-    from elastictrain.launch_env import store_lost_on_restart
+    from elastictrain.launcher.launch_env import store_lost_on_restart
 
     env = detect_launch_env({**TORCHRUN, "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)})
     assert env.max_restarts == max_restarts

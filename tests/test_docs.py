@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastictrain.config import Config
+from elastictrain.core.config import Config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 260
@@ -87,7 +87,7 @@ def test_config_reference_lists_every_key_with_its_default_and_no_other(site):
 def test_config_reference_describes_nearly_every_key(site):
     rows = _reference_rows(site)
     undescribed = sorted(key for key, cells in rows.items() if not cells[2])
-    assert len(undescribed) <= 3, f"keys with no comment in elastictrain/config.py or conf/default.yaml: {undescribed}"
+    assert len(undescribed) <= 3, f"keys with no comment in elastictrain/core/config.py or conf/default.yaml: {undescribed}"
 
 
 SCHEMA_SOURCE = '''
@@ -132,7 +132,7 @@ def test_the_config_reference_in_the_repository_is_the_one_the_site_renders():
     spec.loader.exec_module(hook)
     page = (REPO_ROOT / "docs" / "reference" / "config.md").read_text()
     assert hook.END in page, "docs/reference/config.md holds no generated tables: run python docs/hooks/config_reference.py"
-    assert hook.page_text(page) == page, ("docs/reference/config.md is behind elastictrain/config.py: run "
+    assert hook.page_text(page) == page, ("docs/reference/config.md is behind elastictrain/core/config.py: run "
                                           "python docs/hooks/config_reference.py and commit the page")
 
 
@@ -193,7 +193,7 @@ def test_every_relative_link_resolves(markdown, site):
 
 def test_getting_started_lists_the_built_in_models_state_dict_keys_and_shapes():
     """What `elastictrain snapshots export` writes for the default job: a user loads it by these keys."""
-    from elastictrain.tasks import spirals
+    from elastictrain.train.tasks import spirals
 
     text = (REPO_ROOT / "docs" / "getting-started.md").read_text()
     documented = {key: tuple(int(n) for n in shape.split(" × "))

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.data import epoch_order
-from elastictrain.snapshot import load_object
-from elastictrain.storage import SnapshotStore
+from elastictrain.data.sampling import epoch_order
+from elastictrain.snapshot.format import load_object
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import JobResult, WARM, job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.agents import NodeGroup

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import load_object
-from elastictrain.storage import SnapshotStore
+from elastictrain.snapshot.format import load_object
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
 from tests.helpers import devices, procs
 from tests.helpers.jobs import start_steps

@@ -127,8 +127,8 @@ def torchrun_env(run_dir: Path, restart: int, rank: int) -> dict[str, str]:
 
 
 def test_the_first_rank_to_meet_a_fatal_error_says_it_and_later_attempts_find_it(tmp_path):
-    from elastictrain.errors import ConfigError, PeerLost
-    from elastictrain.fatal import FatalRecord, claim_line, earlier_attempt_failed, marker_path
+    from elastictrain.core.errors import ConfigError, PeerLost
+    from elastictrain.core.fatal import FatalRecord, claim_line, earlier_attempt_failed, marker_path
 
     run_dir = tmp_path / "none_abc123"  # torchrun's directory for this agent's run
     run_dir.mkdir()
@@ -146,8 +146,8 @@ def test_the_first_rank_to_meet_a_fatal_error_says_it_and_later_attempts_find_it
 
 @pytest.mark.parametrize("layout", ["no torchrun", "another layout"])
 def test_without_torchrun_s_layout_every_process_says_its_error(tmp_path, layout):
-    from elastictrain.errors import ConfigError
-    from elastictrain.fatal import claim_line, earlier_attempt_failed
+    from elastictrain.core.errors import ConfigError
+    from elastictrain.core.fatal import claim_line, earlier_attempt_failed
 
     (tmp_path / "logs" / "run" / "0").mkdir(parents=True)
     environ = {} if layout == "no torchrun" else {
@@ -159,8 +159,8 @@ def test_without_torchrun_s_layout_every_process_says_its_error(tmp_path, layout
 
 
 def test_a_later_attempt_stops_on_import_with_the_line_said_by_local_rank_0_only(tmp_path, capsys):
-    from elastictrain.errors import UsageError
-    from elastictrain.fatal import claim_line, stop_if_an_earlier_attempt_failed
+    from elastictrain.core.errors import UsageError
+    from elastictrain.core.fatal import claim_line, stop_if_an_earlier_attempt_failed
 
     run_dir = tmp_path / "none_abc123"
     run_dir.mkdir()
@@ -179,7 +179,7 @@ def test_a_later_attempt_stops_on_import_with_the_line_said_by_local_rank_0_only
 
 
 def crash(kind="RuntimeError", message="boom", step=30, restart=0, rank=1):
-    from elastictrain.repeats import Crash
+    from elastictrain.core.repeats import Crash
 
     return Crash(kind, message, step, restart, rank)
 
@@ -195,14 +195,14 @@ def crash(kind="RuntimeError", message="boom", step=30, restart=0, rank=1):
     ([crash(step=12), crash(restart=1, step=30)], crash(restart=2), 1),  # the attempt before it, not the one before that
 ], ids=["first", "repeat", "other-rank", "same-attempt", "other-step", "other-message", "other-type", "newest-match"])
 def test_a_crash_repeats_when_an_earlier_attempt_crashed_the_same_way_at_the_same_step(earlier, now, repeats):
-    from elastictrain.repeats import first_occurrence
+    from elastictrain.core.repeats import first_occurrence
 
     found = first_occurrence(earlier, now)
     assert (found.restart if found else None) == repeats
 
 
 def test_crashes_are_recorded_per_attempt_in_torchrun_s_run_directory(tmp_path):
-    from elastictrain.repeats import CRASHES_NAME, record_crash
+    from elastictrain.core.repeats import CRASHES_NAME, record_crash
 
     run_dir = tmp_path / "none_abc123"
     run_dir.mkdir()
@@ -273,6 +273,6 @@ def test_a_crash_that_repeats_at_the_same_step_stops_at_its_second_occurrence_an
         assert not any(TORCH_IMPORTED.search(stderr[attempt, rank]) or "restored" in stderr[attempt, rank]
                        for rank in (0, 1)), stderr[attempt, 0][-3000:]
     assert TORCH_IMPORTED.search(stderr[0, 0])  # the check can see an import
-    from elastictrain.storage import SnapshotStore
+    from elastictrain.storage.snapshot_store import SnapshotStore
 
     assert SnapshotStore(str(run_dir / "snapshots")).latest_valid()[0].step == 30  # every snapshot kept

@@ -21,12 +21,13 @@ import torch
 from filelock import FileLock
 from torch import nn
 
-from elastictrain import fast_restore, fast_shards, fsdp
-from elastictrain.config import load_config
-from elastictrain.errors import ConfigError
-from elastictrain.manifest import Manifest
-from elastictrain.snapshot import params_sha256
-from elastictrain.tasks import spirals
+from elastictrain.snapshot import fast_restore, fast_shards
+from elastictrain.dist import fsdp
+from elastictrain.core.config import load_config
+from elastictrain.core.errors import ConfigError
+from elastictrain.storage.manifest import Manifest
+from elastictrain.snapshot.format import params_sha256
+from elastictrain.train.tasks import spirals
 
 from tests.conftest import WARM, job_env, parse_job, torchrun_command
 from tests.helpers import devices, procs
@@ -352,7 +353,7 @@ def test_one_process_saves_and_loads_its_shards_without_dcps_single_process_warn
 
     import torch.distributed as dist
 
-    from elastictrain.sharded import ShardedState
+    from elastictrain.snapshot.sharded import ShardedState
 
     assert not dist.is_initialized()
     model = nn.Linear(4, 2)

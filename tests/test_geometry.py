@@ -1,13 +1,13 @@
-"""The batch policy on a world-size change (elastictrain/geometry.py), as tables: no processes."""
+"""The batch policy on a world-size change (elastictrain/data/geometry.py), as tables: no processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from elastictrain.config import TrainConfig
-from elastictrain.errors import ConfigError
-from elastictrain.geometry import BatchGeometry, Fit, fit_to_world, planned_steps, scale_learning_rate
+from elastictrain.core.config import TrainConfig
+from elastictrain.core.errors import ConfigError
+from elastictrain.data.geometry import BatchGeometry, Fit, fit_to_world, planned_steps, scale_learning_rate
 
 KEEP_GLOBAL = TrainConfig(batch_size=16)
 KEEP_RANK = TrainConfig(batch_size=16, on_world_size_change="keep_rank_batch")

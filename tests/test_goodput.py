@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch.distributed as tdist
 
-from elastictrain import goodput as goodput_module
-from elastictrain.events import RunInfo, TrainInterval
-from elastictrain.goodput import CAUSES, HIGH_WATER_KEY, Goodput
-from elastictrain.states import State
+from elastictrain.observe import goodput as goodput_module
+from elastictrain.core.events import RunInfo, TrainInterval
+from elastictrain.observe.goodput import CAUSES, HIGH_WATER_KEY, Goodput
+from elastictrain.core.states import State
 
 S = State
 
@@ -202,7 +202,7 @@ def test_without_a_store_retraining_counts_as_productive():
 @pytest.mark.slow
 def test_process_age_counts_from_process_creation_or_the_last_run_in_it():
     # A fresh interpreter that waits 0.3 s has been alive at least that long.
-    code = "import time; time.sleep(0.3); from elastictrain.goodput import process_age_s_now; print(process_age_s_now())"
+    code = "import time; time.sleep(0.3); from elastictrain.observe.goodput import process_age_s_now; print(process_age_s_now())"
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert age >= 0.3
     # In this long-lived test process, a run that just closed resets the start of the next one.

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError
-from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed, tree_sum_rows
-from elastictrain.launch_env import LaunchEnv
-from elastictrain.snapshot import params_sha256
-from elastictrain.stragglers import GradientSyncTimer
+from elastictrain.dist.group import DistContext
+from elastictrain.core.errors import ConfigError
+from elastictrain.dist.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed, tree_sum_rows
+from elastictrain.launcher.launch_env import LaunchEnv
+from elastictrain.snapshot.format import params_sha256
+from elastictrain.dist.sync_timer import GradientSyncTimer
 
 SHARDS, SHARD_SAMPLES, STEPS = 4, 8, 3
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.config import load_config
-from elastictrain.idle_keys import REQUIRES, flat_values, idle_keys, idle_keys_line
+from elastictrain.core.config import load_config
+from elastictrain.core.idle_keys import REQUIRES, flat_values, idle_keys, idle_keys_line
 
 
 @pytest.mark.parametrize("overrides, idle", [

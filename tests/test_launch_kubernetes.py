@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastictrain.launch import CONFIG_ERROR_EXIT_CODE, FAILED_EXIT_CODE, PREEMPTED_EXIT_CODE, RENDEZVOUS_LOST_EXIT_CODE
-from elastictrain.storage import SnapshotStore
+from elastictrain.launcher.launch import CONFIG_ERROR_EXIT_CODE, FAILED_EXIT_CODE, PREEMPTED_EXIT_CODE, RENDEZVOUS_LOST_EXIT_CODE
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import REPO_ROOT, parse_job
 from tests.helpers import procs
 from tests.helpers.agents import free_port

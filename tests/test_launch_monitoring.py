@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from elastictrain.goodput import Goodput
+from elastictrain.observe.goodput import Goodput
 from tests.helpers.prometheus import PROMTOOL, prometheus_binary
 from tests.test_metrics import MONITORING, TRAIN_SNAPSHOT_EVALUATE, exporter, metric_names_in, play, samples, scrape  # noqa: F401
 

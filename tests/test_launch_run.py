@@ -1,4 +1,4 @@
-"""elastictrain-run (elastictrain/launch.py): torchrun's arguments, exit codes a supervisor can act on.
+"""elastictrain-run (elastictrain/launcher/launch.py): torchrun's arguments, exit codes a supervisor can act on.
 
 Real torchrun agent (in the wrapper's process), real workers, a real SIGTERM to the wrapper's pid.
 """
@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from elastictrain.launch import exit_code_for
-from elastictrain.storage import SnapshotStore
+from elastictrain.launcher.launch import exit_code_for
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import job_env
 from tests.helpers import procs
 
@@ -25,7 +25,7 @@ def wrapper_command(overrides: list[str], *, max_restarts: int = 3, target: tupl
                     ) -> list[str]:
     """`elastictrain-run <torchrun flags> -m elastictrain train OVERRIDES` (or another target), from this interpreter."""
     return [
-        sys.executable, "-m", "elastictrain.launch",
+        sys.executable, "-m", "elastictrain.launcher.launch",
         "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--shutdown-timeout=60",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",

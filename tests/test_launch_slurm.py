@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.launch_env import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_job_port
-from elastictrain.storage import SnapshotStore
+from elastictrain.launcher.launch_env import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_job_port
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import REPO_ROOT, JobResult, parse_job
 from tests.helpers.slurm import Job, SlurmCluster, SlurmUnavailable, ensure_installed
 from tests.test_launch_torchrun import expected_steps
@@ -152,7 +152,7 @@ def test_cpu_template_under_elastictrain_run_exits_143_after_a_preemption(cluste
     """Template (a, CPU): torchrun's agent in one task; elastictrain-run makes the job's exit 143, not torchrun's 1."""
     bin_dir = tmp_path / "bin"  # the console script, as `pip install` would put it beside python
     bin_dir.mkdir()
-    (bin_dir / "elastictrain-run").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m elastictrain.launch "$@"\n')
+    (bin_dir / "elastictrain-run").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m elastictrain.launcher.launch "$@"\n')
     (bin_dir / "elastictrain-run").chmod(0o755)
     env = {
         "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]),

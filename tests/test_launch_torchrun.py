@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from elastictrain.config import load_config
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.core.config import load_config
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.agents import MULTI_NODE_SCRIPT, TORCHRUN, NodeGroup

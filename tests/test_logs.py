@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from elastictrain import Trainer, seed_everything
-from elastictrain.tasks import spirals
+from elastictrain.train.tasks import spirals
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Keys a custom loop applies by asking the session (elastictrain/loop_keys.py): session.autocast(),
+"""Keys a custom loop applies by asking the session (elastictrain/train/loop_keys.py): session.autocast(),
 session.val_loader(); one warning line for a key set and never asked for."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastictrain.loop_keys import unused_keys
-from elastictrain.session import Session
+from elastictrain.train.loop_keys import unused_keys
+from elastictrain.train.session import Session
 from tests.test_session_api import config, points
 
 DEFAULTS = {"data.val_batch_size": 256, "train.autocast_dtype": "none"}
@@ -84,7 +84,7 @@ def test_the_trainer_asks_for_both_keys_itself(tmp_path, capsys, val_data, warne
     """The Trainer evaluates on session.val_loader() and steps under session.autocast(): it is warned only when a
     key truly does nothing (a validation batch without a validation set)."""
     from elastictrain import Trainer
-    from elastictrain.tasks import spirals
+    from elastictrain.train.tasks import spirals
 
     task = spirals.build(train_samples=64, val_samples=32, hidden=8)
     task.val_data = task.val_data if val_data else None

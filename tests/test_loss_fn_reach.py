@@ -20,9 +20,9 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 
-from elastictrain.snapshot import params_sha256
-from elastictrain.task import Task
-from elastictrain.tasks.spirals import make_spirals
+from elastictrain.snapshot.format import params_sha256
+from elastictrain.train.task import Task
+from elastictrain.train.tasks.spirals import make_spirals
 from tests.conftest import job_env, parse_job, python_command, torchrun_command
 from tests.helpers import procs
 

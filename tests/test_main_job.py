@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.storage import SnapshotStore
-from elastictrain.snapshot import load_object
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.snapshot.format import load_object
 from tests.conftest import REPO_ROOT, job_env, parse_job, python_command, torchrun_command, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import ONE_THREAD

@@ -14,12 +14,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastictrain.config import MetricsConfig
-from elastictrain.errors import ConfigError
-from elastictrain.events import RunInfo, SnapshotReport, TrainInterval
-from elastictrain.goodput import Goodput
-from elastictrain.metrics import PrometheusObserver
-from elastictrain.states import State
+from elastictrain.core.config import MetricsConfig
+from elastictrain.core.errors import ConfigError
+from elastictrain.core.events import RunInfo, SnapshotReport, TrainInterval
+from elastictrain.observe.goodput import Goodput
+from elastictrain.observe.metrics import PrometheusObserver
+from elastictrain.core.states import State
 
 from tests.conftest import REPO_ROOT, job_env, torchrun_command
 from tests.helpers import procs
@@ -146,7 +146,7 @@ CASES = {
     ]),
 }
 # Goodput's seconds by cause when every event of a case comes 1 s after the one before (ScriptClock) and the
-# process is PROCESS_AGE_S old at its first transition, worked out by hand from elastictrain/goodput.py's rules:
+# process is PROCESS_AGE_S old at its first transition, worked out by hand from elastictrain/observe/goodput.py's rules:
 # a state's seconds go to its cause, TRAIN's to productive (no earlier attempt reached these steps), and the
 # process's age to restart only in a restarted attempt (restart_count > 0).
 PROCESS_AGE_S = 3.0

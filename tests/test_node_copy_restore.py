@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastictrain import restore
-from elastictrain.manifest import snapshot_id_for_step
-from elastictrain.storage import SnapshotStore
+from elastictrain.snapshot import restore
+from elastictrain.storage.manifest import snapshot_id_for_step
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 SENT = {"model": b"sent by the holder"}
 

@@ -28,7 +28,8 @@ from tests.conftest import REPO_ROOT, job_env
 
 WORKER = textwrap.dedent('''
     import atexit, sys
-    from elastictrain import cli, errors
+    from elastictrain.cli import main as cli
+    from elastictrain.core import errors
 
     marker, error = sys.argv[1], sys.argv[2]
 
@@ -73,7 +74,8 @@ def test_other_errors_end_the_interpreter_as_usual(tmp_path, error):
 
 SCRIPT = textwrap.dedent('''
     import atexit, os, signal, sys
-    from elastictrain import Trainer, dist, seed_everything
+    from elastictrain import Trainer, seed_everything
+    from elastictrain.dist import group as dist
     from tests.helpers.tasks import build
 
     marker, trace_dir, signalled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -116,7 +118,7 @@ def test_a_script_whose_group_broke_ends_by_the_held_sigterm_at_once(tmp_path, s
 
 PROGRAM = textwrap.dedent('''
     import atexit, concurrent.futures, sys, threading, time
-    from elastictrain import cli
+    from elastictrain.cli import main as cli
 
     directory, ending = sys.argv[1], sys.argv[2]
 
@@ -179,7 +181,7 @@ GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.c
     ("word " * 40, "word " * 31 + "word ..."),  # cut at a word, and said to be cut
 ])
 def test_a_lost_peer_s_reason_is_the_first_sentence_cut_at_a_word(text, reason):
-    from elastictrain.failures import peer_loss_reason
+    from elastictrain.dist.failures import peer_loss_reason
 
     assert peer_loss_reason(text) == reason
 
@@ -189,8 +191,8 @@ def test_a_peer_that_recorded_an_error_no_restart_can_fix_is_named_instead_of_a_
 
     import torch.distributed as tdist
 
-    from elastictrain.dist import FATAL_KEY, DistContext, recorded_fatal_error
-    from elastictrain.launch_env import LaunchEnv
+    from elastictrain.dist.group import FATAL_KEY, DistContext, recorded_fatal_error
+    from elastictrain.launcher.launch_env import LaunchEnv
 
     store = tdist.HashStore()
     ctx = DistContext(LaunchEnv("torchrun"), True, None, "gloo", 60.0, store, "round-2")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastictrain.plots import Marker, attempt_markers, metric_groups, write_plots
+from elastictrain.observe.plots import Marker, attempt_markers, metric_groups, write_plots
 
 A = dict  # one attempt, as a snapshot records it
 
@@ -104,7 +104,7 @@ def test_write_plots_with_no_history_draws_nothing(tmp_path):
 def test_without_matplotlib_write_plots_raises_one_clear_error(tmp_path):
     script = (
         "import sys; sys.modules['matplotlib'] = None\n"  # what a missing package looks like to import
-        "from elastictrain.plots import PlotsUnavailable, write_plots\n"
+        "from elastictrain.observe.plots import PlotsUnavailable, write_plots\n"
         "try:\n"
         f"    write_plots([{{'step': 1, 'train_loss': 1.0}}], [], {str(tmp_path)!r})\n"
         "except PlotsUnavailable as exc:\n"
@@ -119,7 +119,7 @@ def test_the_learning_rate_is_drawn_as_steps_and_losses_as_lines():
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from elastictrain.plots import _draw
+    from elastictrain.observe.plots import _draw
 
     records = [{"step": step, "lr": 0.1 if step < 60 else 0.01, "train_loss": 1.0 / step} for step in (25, 50, 75, 100)]
     drawn = {}

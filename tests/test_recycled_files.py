@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from elastictrain.manifest import MANIFEST_NAME, snapshot_id_for_step
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage.manifest import MANIFEST_NAME, snapshot_id_for_step
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 BIG = bytes(range(256)) * 8192  # 2 MiB
 
@@ -90,7 +90,7 @@ def test_objects_the_new_snapshot_does_not_write_are_not_carried_over(tmp_path):
 
 KILLED = """
 import os, sys
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 def model(handle):
     handle.write(b"x" * 4096)

@@ -1,4 +1,4 @@
-"""State a custom loop forgot to register is named at RESTORE (elastictrain/registry_checks.py): pure, by table."""
+"""State a custom loop forgot to register is named at RESTORE (elastictrain/train/registry_checks.py): pure, by table."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from elastictrain.registry_checks import live_optimizers_and_schedulers, unregistered_state, unregistered_state_named
-from elastictrain.task import PendingScheduler
+from elastictrain.train.registry_checks import live_optimizers_and_schedulers, unregistered_state, unregistered_state_named
+from elastictrain.train.task import PendingScheduler
 
 
 def gan() -> dict:

@@ -12,7 +12,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from elastictrain.replicas import Mismatch, describe, disagreements, fingerprint
+from elastictrain.health.replicas import Mismatch, describe, disagreements, fingerprint
 
 
 def state(seed: int = 0) -> dict:
@@ -139,12 +139,12 @@ def test_the_line_names_step_ranks_and_objects():
 # -- two real gloo ranks --------------------------------------------------------------------------
 
 def _rank(rank: int, port: int, through_wrapper: bool, results) -> None:
-    from elastictrain.ddp import wrap_model
-    from elastictrain.config import DistConfig
-    from elastictrain.dist import DistContext, teardown
-    from elastictrain.errors import ReplicasDiverged
-    from elastictrain.launch_env import LaunchEnv
-    from elastictrain.replicas import ReplicaCheck
+    from elastictrain.dist.ddp import wrap_model
+    from elastictrain.core.config import DistConfig
+    from elastictrain.dist.group import DistContext, teardown
+    from elastictrain.core.errors import ReplicasDiverged
+    from elastictrain.launcher.launch_env import LaunchEnv
+    from elastictrain.health.replicas import ReplicaCheck
 
     store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
     tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastictrain.data import epoch_order
-from elastictrain.snapshot import load_object
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.data.sampling import epoch_order
+from elastictrain.snapshot.format import load_object
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 
 from tests.conftest import parse_job
 from tests.helpers import devices, procs

@@ -1,4 +1,4 @@
-"""The round handshake (elastictrain/rounds.py) in one process: a real TCPStore, one thread per rank."""
+"""The round handshake (elastictrain/dist/rounds.py) in one process: a real TCPStore, one thread per rank."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastictrain.errors import DistributedSetupError
-from elastictrain.rounds import agree_on_round
+from elastictrain.core.errors import DistributedSetupError
+from elastictrain.dist.rounds import agree_on_round
 from tests.helpers.agents import free_port
 
 

@@ -17,10 +17,10 @@ import traceback
 
 import pytest
 
-from elastictrain.errors import StorageError, StorageUnavailable, StoreLeaseError
-from elastictrain.lease import LEASE_NAME
-from elastictrain.manifest import MANIFEST_NAME, snapshot_id_for_step
-from elastictrain.storage import SnapshotStore
+from elastictrain.core.errors import StorageError, StorageUnavailable, StoreLeaseError
+from elastictrain.storage.lease import LEASE_NAME
+from elastictrain.storage.manifest import MANIFEST_NAME, snapshot_id_for_step
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY
 
 HANG_GUARD_S = 60  # generous: only catches a hang, not a slow machine
@@ -110,7 +110,7 @@ def test_corrupt_newest_falls_back_to_previous_with_one_warning(store, s3_server
     commit_small(store, 20)
     corrupt(s3_server.client(), s3_bucket, 20)
 
-    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage.snapshot_store"):
         manifest, _ = store.latest_valid()
     assert manifest.step == 10
     [warning] = warnings_of(caplog)
@@ -293,7 +293,7 @@ def test_stale_lease_is_taken_over(url, s3_server, store, caplog):
     store.acquire_lease(owner("run-a", "token-a"), stale_after_s=0.5)
     time.sleep(1.0)
     other = SnapshotStore(url, s3_server.storage_options, retry_for_s=5)
-    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage.snapshot_store"):
         other.acquire_lease(owner("run-b", "token-b"), stale_after_s=0.5)
     assert any("taking over the stale lease" in w and "run-a" in w for w in warnings_of(caplog))
     with pytest.raises(StoreLeaseError, match="taken over by run run-b"):

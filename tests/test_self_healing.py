@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from elastictrain.data import epoch_order
+from elastictrain.data.sampling import epoch_order
 from tests.conftest import REPO_ROOT, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.errors import SnapshotError, UsageError
-from elastictrain.session import Session
+from elastictrain.core.errors import SnapshotError, UsageError
+from elastictrain.train.session import Session
 
 
 def config(tmp_path, **train) -> dict:
@@ -203,7 +203,7 @@ def test_a_custom_loop_killed_by_an_exception_resumes_bitwise_equal_to_an_unbrok
 
 def test_a_store_in_memory_under_torchrun_with_restarts_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     """Each torchrun restart is a new process: memory:// snapshots would be gone, every restart a fresh start."""
-    from elastictrain.errors import ConfigError
+    from elastictrain.core.errors import ConfigError
     from tests.helpers.agents import free_port
 
     torchrun = {"TORCHELASTIC_RUN_ID": "memory-store", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0",
@@ -310,7 +310,7 @@ def test_a_run_dir_that_cannot_be_written_costs_a_finished_run_its_plots_only(tm
 
 def test_a_run_dir_that_cannot_hold_the_snapshots_is_told_to_change_run_dir(tmp_path, capsys):
     """The durable store defaults to <run.dir>/snapshots: the key to change is run.dir, not snapshot.durable.url."""
-    from elastictrain.errors import StorageError
+    from elastictrain.core.errors import StorageError
 
     (tmp_path / "a-file").write_bytes(b"")
     cfg = config(tmp_path, max_steps=4)

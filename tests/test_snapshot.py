@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.errors import SnapshotError
-from elastictrain.snapshot import (
-    History, Progress, capture_rng, load_model_weights, load_object, params_sha256, restore_rng, save_object,
-)
+from elastictrain.core.errors import SnapshotError
+from elastictrain.core.progress import History, Progress
+from elastictrain.snapshot.format import load_model_weights, load_object, params_sha256, save_object
+from elastictrain.core.rng import capture_rng, restore_rng
 
 
 def draws():

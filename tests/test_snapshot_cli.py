@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from elastictrain import Trainer, seed_everything
-from elastictrain.snapshot import MODEL_OBJECT, STATE_OBJECT, load_object, writer_for
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.snapshot.format import MODEL_OBJECT, STATE_OBJECT, load_object, writer_for
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 from tests.conftest import REPO_ROOT
 from tests.helpers.corrupt import flip_middle_byte
 
@@ -327,7 +327,7 @@ def test_safetensors_export_is_one_clear_line_when_safetensors_is_missing(traine
 @pytest.mark.slow
 def test_memory_url_in_process(capsys):
     # memory:// lives in one process, so this one runs the command function in this process.
-    from elastictrain import cli
+    from elastictrain.cli import main as cli
 
     url = f"memory://elastictrain-tests/{uuid.uuid4().hex}"
     train_into(url)
@@ -342,7 +342,7 @@ NO_TORCH = """
 import sys, types
 root = types.ModuleType("elastictrain"); root.__path__ = [{package!r}]
 sys.modules["elastictrain"] = root  # the commands' own imports, whatever the package root imports
-from elastictrain import cli
+from elastictrain.cli import main as cli
 code = cli.main(sys.argv[1:])
 assert "torch" not in sys.modules, "torch was imported"
 sys.exit(code)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from elastictrain import ConfigError, Trainer, seed_everything
-from elastictrain.cadence import COST_KEY
-from elastictrain.storage import SnapshotStore
+from elastictrain.snapshot.cadence import COST_KEY
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.helpers.corrupt import flip_middle_byte
 from tests.helpers.tasks import build
 from tests.test_trainer import memory_url
@@ -108,7 +108,7 @@ def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
 
 
 def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_path, monkeypatch, capfd):
-    import elastictrain.snapshotter as snapshotter_module
+    import elastictrain.snapshot.snapshotter as snapshotter_module
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
@@ -124,8 +124,8 @@ def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_pat
 def test_a_restart_onto_a_tier_full_for_now_trains_on_with_warnings_instead_of_stopping(tmp_path, monkeypatch, capfd):
     """Found by the chaos soak: the node's memory filled by something else while a worker restarts. The tier held
     this run's copies (it fits); the restarted attempt's copies fail with warnings, the run goes on to its end."""
-    import elastictrain.commit as commit_module
-    import elastictrain.snapshotter as snapshotter_module
+    import elastictrain.storage.commit as commit_module
+    import elastictrain.snapshot.snapshotter as snapshotter_module
 
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
@@ -148,7 +148,7 @@ def test_a_restart_onto_a_tier_full_for_now_trains_on_with_warnings_instead_of_s
 
 @pytest.mark.slow
 def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final_snapshot(tmp_path):
-    from elastictrain.events import Observer
+    from elastictrain.core.events import Observer
 
     class Reports(Observer):
         def __init__(self) -> None:
@@ -171,7 +171,7 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
                                                        ({"async_write": False}, False)])
 def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_says_so(tmp_path, local,
                                                                                      fast_in_background):
-    from elastictrain.events import Observer
+    from elastictrain.core.events import Observer
 
     class Reports(Observer):
         def __init__(self) -> None:
@@ -192,7 +192,7 @@ def two_hours_later(monkeypatch) -> None:
     below (one hour) has passed since the first attempt, and never passes within one."""
     import time
 
-    monkeypatch.setattr("elastictrain.tiers.time", SimpleNamespace(time=lambda: time.time() + 7200.0,
+    monkeypatch.setattr("elastictrain.train.tiers.time", SimpleNamespace(time=lambda: time.time() + 7200.0,
                                                                    monotonic=time.monotonic))
 
 
@@ -228,7 +228,7 @@ def test_a_rollback_heals_from_the_fast_tier_while_the_durable_store_does_not_an
     """Found by the chaos soak: a NaN batch while the S3 server hung stopped the run in ROLLBACK (the durable store was
     listed and did not answer), so a transient fault cost a restart. This process wrote the store's newest snapshot;
     a fast copy as new is enough."""
-    from elastictrain.errors import StorageUnavailable
+    from elastictrain.core.errors import StorageUnavailable
 
     durable = memory_url()
     monkeypatch.setenv("ELASTICTRAIN_FAULT", f"grad-inf@27:{tmp_path}")

@@ -24,7 +24,7 @@ def assert_stopped_once_without_restart(output: str, error: str) -> None:
     stopped = [line for line in lines if re.search(r"a0\] ERROR rank \d stopped in state \w+ at step 0: ", line)]
     assert len(stopped) == 1 and error in stopped[0], "\n".join(lines[-40:])  # one rank says it, once
     # torchrun restarts the group whatever the exit code; the restart finds the recorded error and
-    # leaves before it imports torch, without a word (elastictrain/fatal.py).
+    # leaves before it imports torch, without a word (elastictrain/core/fatal.py).
     assert not any(" a1] " in line for line in lines), "the restart did nothing but stop, silently"
     raw = [line for line in output.splitlines() if "Not a directory" in line and error not in line]
     assert raw == [], "no raw OSError besides the one line"

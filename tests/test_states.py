@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from elastictrain.plan import Plan, decide
-from elastictrain.snapshot import Progress
-from elastictrain.states import ALLOWED, TERMINAL, IllegalTransition, State, StateMachine
-from elastictrain.vote import Requests
+from elastictrain.train.plan import Plan, decide
+from elastictrain.core.progress import Progress
+from elastictrain.core.states import ALLOWED, TERMINAL, IllegalTransition, State, StateMachine
+from elastictrain.dist.vote import Requests
 
 
 def test_every_state_has_a_row_and_terminals_lead_nowhere():

@@ -18,9 +18,9 @@ import fsspec
 import pytest
 import xxhash
 
-from elastictrain.errors import SnapshotError, StorageError
-from elastictrain.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, ObjectEntry, snapshot_id_for_step
-from elastictrain.storage import SnapshotStore
+from elastictrain.core.errors import SnapshotError, StorageError
+from elastictrain.storage.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, ObjectEntry, snapshot_id_for_step
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 BIG_CHUNK = bytes(range(256)) * 4096  # 1 MiB
 BIG_OBJECT = b"".join(BIG_CHUNK[i:] + BIG_CHUNK[:i] for i in range(5))  # 5 MiB, not periodic
@@ -164,7 +164,7 @@ def test_an_unknown_checksum_algorithm_is_one_line_and_the_snapshot_is_skipped(s
         "'model' with 'blake9', which this elastictrain does not know (it knows xxh3_128); upgrade elastictrain "
         "to resume from it"
     )
-    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage.snapshot_store"):
         assert store.latest_valid()[0].step == 10
     assert "'blake9'" in warning_messages(caplog)[0]
 
@@ -227,7 +227,7 @@ def test_torn_snapshot_is_listed_with_problem_and_skipped(store, caplog):
     ]
     assert listings[1].manifest is None
 
-    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage.snapshot_store"):
         manifest, payload = store.latest_valid()
     assert manifest.step == 10
     assert payload == {"model": b"model at step 10"}
@@ -276,7 +276,7 @@ def test_corrupt_snapshot_is_refused_and_previous_one_used(store, url, caplog, c
     assert message.startswith(f"snapshot {url}/step-000000000020 is corrupt: ")
     assert fragment in message
 
-    with caplog.at_level(logging.WARNING, logger="elastictrain.storage"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.storage.snapshot_store"):
         manifest, payload = store.latest_valid()
     assert manifest.snapshot_id == "step-000000000010"
     assert payload == {"model": b"model at step 10"}
@@ -415,8 +415,8 @@ def test_local_writer_error_leaves_no_temp_file(tmp_path):
 
 KILLED_COMMIT = """
 import os, sys
-from elastictrain import commit
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage import commit
+from elastictrain.storage.snapshot_store import SnapshotStore
 
 url, kill_at = sys.argv[1], sys.argv[2]
 if kill_at == "before-manifest":  # every payload byte written and fsynced, the manifest not begun

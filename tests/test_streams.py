@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import IterableDataset
 
 from elastictrain import ConfigError, Trainer, seed_everything
-from elastictrain.tasks import spirals
+from elastictrain.train.tasks import spirals
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps

@@ -1,4 +1,4 @@
-"""Survivor copies (elastictrain/survivor.py) piece by piece: the per-step slots, the election of the
+"""Survivor copies (elastictrain/snapshot/survivor.py) piece by piece: the per-step slots, the election of the
 writer among a node's live ranks, the checks that refuse a copy, and the copy's content.
 
 The whole path under real torchrun with a real SIGKILL is in tests/test_resume.py
@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.config import load_config
-from elastictrain.dist import DistContext
-from elastictrain.launch_env import LaunchEnv
-from elastictrain.reduce import WeightedSums
-from elastictrain.snapshot import History, Progress, load_object
-from elastictrain.snapshotter import Snapshotter
-from elastictrain.storage import SnapshotStore
-from elastictrain.survivor import StepSlots, SurvivorCopies, _rng_bytes, _rng_from_bytes
+from elastictrain.core.config import load_config
+from elastictrain.dist.group import DistContext
+from elastictrain.launcher.launch_env import LaunchEnv
+from elastictrain.dist.reduce import WeightedSums
+from elastictrain.core.progress import History, Progress
+from elastictrain.snapshot.format import load_object
+from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.snapshot.survivor import StepSlots, SurvivorCopies, _rng_bytes, _rng_from_bytes
 
 CPU = torch.device("cpu")
 
@@ -53,7 +54,7 @@ def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from elastictrain.survivor import StepSlots
+        from elastictrain.snapshot.survivor import StepSlots
         slots = StepSlots({str(tmp_path)!r}, rank=0, local_rank=0)
         slots.open()
         print("open", flush=True)
@@ -109,7 +110,7 @@ def test_rng_states_survive_the_slot_form_exactly():
     saved = _rng_from_bytes(_rng_bytes(CPU))
     expected = (random.random(), np.random.rand(), torch.rand(3))
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    from elastictrain.snapshot import restore_rng
+    from elastictrain.core.rng import restore_rng
 
     restore_rng(saved, CPU)
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from elastictrain.threads import ThreadPin, cpu_capability
+from elastictrain.core.threads import ThreadPin, cpu_capability
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch build has no MKL")
 
@@ -43,7 +43,7 @@ def _base_env() -> dict[str, str]:
 def test_a_pinned_worker_runs_mkl_with_deterministic_scheduling_and_no_dynamic_threads():
     out = run_python(
         "import elastictrain, torch\n"
-        "from elastictrain.threads import ThreadPin\n"
+        "from elastictrain.core.threads import ThreadPin\n"
         "ThreadPin(2).start()\n"
         "a = torch.ones(64, 64); a @ a\n",
         MKL_VERBOSE="1",
@@ -63,12 +63,12 @@ def test_unpinned_mkl_schedules_dynamically():  # what the pin changes: out of t
 def test_the_startup_line_says_when_mkl_ran_before_elastictrain_was_imported():
     late = run_python(
         "import torch\ntorch.ones(16, 16) @ torch.ones(16, 16)\n"
-        "from elastictrain.threads import ThreadPin\np = ThreadPin(); p.start(); print(p.report())\n"
+        "from elastictrain.core.threads import ThreadPin\np = ThreadPin(); p.start(); print(p.report())\n"
     )
     assert "MKL CNR OFF" in late and "import elastictrain first, or set MKL_CBWR=AUTO" in late, late
     early = run_python(
         "import elastictrain, torch\ntorch.ones(16, 16) @ torch.ones(16, 16)\n"
-        "from elastictrain.threads import ThreadPin\np = ThreadPin(); p.start(); print(p.report())\n"
+        "from elastictrain.core.threads import ThreadPin\np = ThreadPin(); p.start(); print(p.report())\n"
     )
     assert "MKL CNR AUTO, dynamic off" in early and "import elastictrain first" not in early, early
 
@@ -115,14 +115,14 @@ def test_a_snapshot_from_another_kernel_set_is_named_in_the_startup_line():
 
 @pytest.mark.parametrize(("given", "expected"), [("off", "off"), ("auto", "auto"), ("3", 3)])
 def test_the_setting_reads_as_written_on_the_command_line(given, expected):
-    from elastictrain.config import load_config
+    from elastictrain.core.config import load_config
 
     assert load_config(None, [f"train.intra_op_threads={given}"]).train.intra_op_threads == expected  # YAML: off is false
 
 
 def test_a_setting_that_is_no_count_is_one_line():
-    from elastictrain.config import load_config
-    from elastictrain.errors import ConfigError
+    from elastictrain.core.config import load_config
+    from elastictrain.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.intra_op_threads"):
         load_config(None, ["train.intra_op_threads=true"])

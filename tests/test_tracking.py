@@ -23,12 +23,12 @@ import pytest
 from tests.conftest import REPO_ROOT, WARM, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import start_steps
-from elastictrain.config import REDACTED, load_config
-from elastictrain.events import SnapshotReport, TrainInterval
-from elastictrain.runstate import RunState
-from elastictrain.trackers.background import TrackerThread
-from elastictrain.trackers.exactly_once import Tracking
-from elastictrain.trackers.tensorboard_backend import TensorBoardBackend
+from elastictrain.core.config import REDACTED, load_config
+from elastictrain.core.events import SnapshotReport, TrainInterval
+from elastictrain.train.runstate import RunState
+from elastictrain.observe.trackers.background import TrackerThread
+from elastictrain.observe.trackers.exactly_once import Tracking
+from elastictrain.observe.trackers.tensorboard_backend import TensorBoardBackend
 from tests.helpers.mlflow_server import MlflowServer
 from tests.helpers.tracked import once_each, series_of, tensorboard_points
 
@@ -99,8 +99,8 @@ def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_
     assert set(board) == {"train_loss", "train_accuracy", "lr"}  # train_accuracy: the value the example logs
     log_steps = sorted({*range(3, STEPS + 1, 3), *range(16, STEPS + 1, 16)})  # every 3 steps and each epoch's end
     assert all([step for step, _ in points] == log_steps for points in board.values()), board
-    assert sorted(text_tags(unbroken / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
-                                                                   "elastictrain/summary/text_summary"]
+    assert sorted(text_tags(unbroken / "run" / "tensorboard")) == ["elastictrain/core/config/text_summary",
+                                                                   "elastictrain/train/summary/text_summary"]
     run, series = mlflow_run(mlflow_server, unbroken.name)
     assert set(series) == set(board)
     for name, points in series.items():  # MLflow keeps the float64 that TensorBoard rounds to float32
@@ -148,8 +148,8 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     once_each(series)
     assert series == expected  # bitwise: the same float64 at every step
     assert sorted(markers) == list(zip(sorted(restored), [1, 2, 3, 4]))
-    assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
-                                                                   "elastictrain/summary/text_summary"]
+    assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/core/config/text_summary",
+                                                                   "elastictrain/train/summary/text_summary"]
     assert run.info.status == "FINISHED" and run.data.tags["summary.attempts"] == "4"
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from elastictrain import SnapshotError, State, StorageError, Trainer, seed_everything
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 from tests.conftest import REPO_ROOT, job_env
 
 SMALL = {"train_samples": 512, "val_samples": 128, "hidden": 32}
@@ -198,7 +198,7 @@ def test_s3_without_s3fs_installed_is_one_line_saying_what_to_install():
     # s3fs is in the test install; a process where it cannot be imported is what a user without it has.
     script = (
         "import sys; sys.modules['s3fs'] = None\n"
-        "from elastictrain.storage import SnapshotStore\n"
+        "from elastictrain.storage.snapshot_store import SnapshotStore\n"
         "SnapshotStore('s3://bucket/run')\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, env=job_env())

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from elastictrain import SnapshotError, Trainer, seed_everything
-from elastictrain.errors import ConfigError
-from elastictrain.storage import SnapshotStore
-from elastictrain.tasks import spirals
+from elastictrain.core.errors import ConfigError
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.train.tasks import spirals
 
 SMALL = {"train_samples": 512, "val_samples": 128, "hidden": 32}
 
@@ -159,7 +159,7 @@ def test_a_list_of_optimizers_is_refused_when_the_trainer_is_built():
                   "a built scheduler"),  # before: a 31-line TypeError after the restore
 ])
 def test_mistakes_in_the_trainer_s_arguments_are_one_line_when_it_is_built(mistake, expected):
-    from elastictrain.errors import UsageError
+    from elastictrain.core.errors import UsageError
 
     task = spirals.build(**SMALL)
     arguments = {"val_data": task.val_data, "lr_scheduler": None}
@@ -178,8 +178,8 @@ def test_mistakes_in_the_trainer_s_arguments_are_one_line_when_it_is_built(mista
 def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr(monkeypatch):
     """Found by the chaos soak: a rollback restores into the running optimizer, whose lr a scheduler has moved since
     the snapshot; what the user chose (the starting lr) is the same, so no "start fresh" advice."""
-    from elastictrain import resume_checks
-    from elastictrain.config import load_config
+    from elastictrain.snapshot import resume_checks
+    from elastictrain.core.config import load_config
 
     cfg = load_config({"run": {"dir": "/tmp/a-run"}})
     said = []
@@ -206,8 +206,8 @@ def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr
 def test_an_optimizer_state_is_refused_only_when_this_optimizer_cannot_take_it():
     """Keys one side only has are a torch version's new options (accepted); keys differing both ways are another
     class, and another number of parameter groups cannot load either."""
-    from elastictrain import resume_checks
-    from elastictrain.config import load_config
+    from elastictrain.snapshot import resume_checks
+    from elastictrain.core.config import load_config
 
     cfg = load_config()
     model = torch.nn.Linear(2, 2)

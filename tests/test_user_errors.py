@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastictrain.errors import LossFnError, SnapshotError
-from elastictrain.dist import DistContext
-from elastictrain.launch_env import LaunchEnv
-from elastictrain.reduce import WeightedSums
-from elastictrain.snapshot import load_object
-from elastictrain.task import Task, split_loss
+from elastictrain.core.errors import LossFnError, SnapshotError
+from elastictrain.dist.group import DistContext
+from elastictrain.launcher.launch_env import LaunchEnv
+from elastictrain.dist.reduce import WeightedSums
+from elastictrain.snapshot.format import load_object
+from elastictrain.train.task import Task, split_loss
 from tests.conftest import REPO_ROOT, job_env, python_command
 
 # A user's script, as the README shows it, small. LOSS picks what its loss_fn returns.
@@ -35,7 +35,7 @@ USER_SCRIPT = textwrap.dedent('''
     from torch import nn
 
     from elastictrain import Trainer, seed_everything
-    from elastictrain.tasks.spirals import make_spirals
+    from elastictrain.train.tasks.spirals import make_spirals
 
 
     class CausalLMOutput(OrderedDict):
@@ -228,7 +228,7 @@ def test_out_of_memory_while_loading_propagates_as_itself(tmp_path):
     (tmp_path / "big.pt").write_bytes(saved({"w": torch.zeros(50_000_000)}))
     code = textwrap.dedent(f'''
         import resource, sys
-        from elastictrain.snapshot import load_object
+        from elastictrain.snapshot.format import load_object
         data = open({str(tmp_path / "big.pt")!r}, "rb").read()
         mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
         resource.setrlimit(resource.RLIMIT_AS, (mapped + 150_000_000, resource.RLIM_INFINITY))
@@ -263,12 +263,12 @@ def build_with_a_bug(hidden: int = 8) -> Task:
         (["--config", "conf"],
          "config file conf is a directory; pass a YAML file such as conf/default.yaml"),
         (["task.args.hidden=abc"],
-         "task.args.hidden='abc' is a str, but elastictrain.tasks.spirals:build takes hidden: int; fix task.args.hidden"),
+         "task.args.hidden='abc' is a str, but elastictrain.train.tasks.spirals:build takes hidden: int; fix task.args.hidden"),
         (["task.args.lr=1e-3"],
-         "task.args.lr='1e-3' is a str, but elastictrain.tasks.spirals:build takes lr: float; fix task.args.lr (YAML "
+         "task.args.lr='1e-3' is a str, but elastictrain.train.tasks.spirals:build takes lr: float; fix task.args.lr (YAML "
          "reads 1e-3 as text, not a number: write 0.001)"),
         (["task.args.hidden=-5"],
-         "task.args do not fit elastictrain.tasks.spirals:build (given hidden=-5): ValueError: 'hidden' must be at "
+         "task.args do not fit elastictrain.train.tasks.spirals:build (given hidden=-5): ValueError: 'hidden' must be at "
          "least 1, got -5; fix task.args (for the traceback: ELASTICTRAIN_TRACEBACK=1)"),
         (["snapshot.durable.storage_options.key=AKIA0", "snapshot.durable.storage_options.secret=hunter2", "run.dir=/tmp/x"],
          "invalid config (defaults + overrides): snapshot.durable.storage_options (key, secret) are ignored for the local "
@@ -320,7 +320,7 @@ def test_metric_keys_that_change_between_steps_are_one_line_naming_them():
 def test_snapshot_documents_as_json_have_null_where_python_would_write_nan():
     import json
 
-    from elastictrain.cli import strict_json
+    from elastictrain.cli.main import strict_json
 
     document = {"history": [{"step": 1, "train_loss": float("nan"), "grad_norm": float("inf")}], "best": -float("inf"),
                 "steps": (1, 2.5)}
@@ -331,7 +331,7 @@ def test_snapshot_documents_as_json_have_null_where_python_would_write_nan():
 
 @pytest.mark.parametrize("per_step, configured, hint", [(2, 2, False), (2, 1, True)])
 def test_a_step_after_too_few_micro_batches_names_the_elastic_policy_when_it_chose_them(per_step, configured, hint):
-    from elastictrain.train_data import wrong_micro_batches
+    from elastictrain.data.train_data import wrong_micro_batches
 
     message = str(wrong_micro_batches(1, per_step, configured))
     assert message.startswith(f"session.step() after 1 micro-batch(es) of the loader; a step takes {per_step} "

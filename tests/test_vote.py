@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from elastictrain.dist import DistContext
-from elastictrain.launch_env import LaunchEnv
-from elastictrain.vote import Requests, StepVote
+from elastictrain.dist.group import DistContext
+from elastictrain.launcher.launch_env import LaunchEnv
+from elastictrain.dist.vote import Requests, StepVote
 
 STEPS = 120
 RAISED_AT = 70  # rank 1 raises a preemption request from this step on, as a signal would

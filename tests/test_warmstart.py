@@ -1,4 +1,4 @@
-"""Warm restarts (elastictrain/warmstart.py): restarted workers forked from a preloaded interpreter.
+"""Warm restarts (elastictrain/launcher/warmstart.py): restarted workers forked from a preloaded interpreter.
 
 Under real torchrun, one job meets every way a warm worker can end, each at a known step (the
 test task pauses there): a SIGKILL of the cold first worker, a SIGKILL of a warm child itself, a
@@ -20,13 +20,13 @@ import time
 
 import pytest
 
-from elastictrain.warmstart import DEFAULT_PRELOAD, Target, fork_hazard, parse, server_pids, server_prefix
+from elastictrain.launcher.warmstart import DEFAULT_PRELOAD, Target, fork_hazard, parse, server_pids, server_prefix
 from tests.conftest import REPO_ROOT, job_env, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
 from tests.helpers.tasks import read_traces, stitch
 
-WARM = re.compile(r"elastictrain\.warmstart: started warm, forked from the preloaded interpreter \(pid (\d+)\)")
+WARM = re.compile(r"elastictrain\.launcher\.warmstart: started warm, forked from the preloaded interpreter \(pid (\d+)\)")
 PREEMPTED = re.compile(r"preempted at step (\d+): snapshot committed, exiting with code 143")
 
 
@@ -56,13 +56,13 @@ def run_python(code: str, *args: str, env: dict | None = None) -> subprocess.Com
 ])
 def test_the_client_ends_as_its_child_ended(status, returncode):
     # What torchrun sees of a warm worker is the client: a child's exit code or signal must reach it unchanged.
-    ended = run_python(f"from elastictrain.warmstart import exit_like; exit_like({int(status)})")
+    ended = run_python(f"from elastictrain.launcher.warmstart import exit_like; exit_like({int(status)})")
     assert ended.returncode == returncode, ended.stderr
 
 
 @pytest.mark.slow
 def test_no_script_is_one_line_and_exit_2():
-    ended = run_python("", "-m", "elastictrain.warmstart", "--preload", "numpy")
+    ended = run_python("", "-m", "elastictrain.launcher.warmstart", "--preload", "numpy")
     assert ended.returncode == 2
     assert ended.stderr.count("\n") == 1 and "give the script to run (or -m MODULE)" in ended.stderr
 
@@ -72,7 +72,7 @@ def test_outside_torchrun_the_script_runs_cold_with_its_arguments_and_exit_code(
     script = tmp_path / "script.py"
     script.write_text("import sys\nprint('argv', sys.argv[1:], 'file', __file__)\nsys.exit(7)\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC")}
-    ended = subprocess.run([sys.executable, "-m", "elastictrain.warmstart", str(script), "a", "--b"],
+    ended = subprocess.run([sys.executable, "-m", "elastictrain.launcher.warmstart", str(script), "a", "--b"],
                            capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO_ROOT)})
     assert ended.returncode == 7, ended.stderr
     assert f"argv ['a', '--b'] file {script}" in ended.stdout
@@ -102,8 +102,8 @@ def test_a_fork_is_refused_with_threads_running_or_a_cuda_context(threads, cuda_
 SERVER_WITH_CUDA = """
 import os, socket, sys, threading, time
 import torch
-from elastictrain import warm_server
-from elastictrain.warm_protocol import receive_message, send_message
+from elastictrain.launcher import warm_server
+from elastictrain.launcher.warm_protocol import receive_message, send_message
 
 torch.cuda._initialized = True  # CUDA initialised in the server after it was forked (a bug): it must fork no worker
 agent_read, agent_write = os.pipe()
@@ -154,11 +154,11 @@ def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_
     script.write_text("import sys\nprint('argv', sys.argv[1:], 'name', __name__)\nsys.exit(5)\n")
     env = {**job_env(), "TORCHELASTIC_RUN_ID": "preload-test", "LOCAL_RANK": local_rank, "XDG_RUNTIME_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
-    ended = subprocess.run([sys.executable, "-m", "elastictrain.warmstart", "--preload", f"json,{preloaded}",
+    ended = subprocess.run([sys.executable, "-m", "elastictrain.launcher.warmstart", "--preload", f"json,{preloaded}",
                             str(script), "a"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert ended.returncode == 5, ended.stderr
     assert ended.stdout == "argv ['a'] name __main__\n"
-    assert ended.stderr == f"elastictrain.warmstart: {said}\n"
+    assert ended.stderr == f"elastictrain.launcher.warmstart: {said}\n"
     assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*"))
 
 
@@ -221,20 +221,21 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
 
 @pytest.mark.slow
 def test_help_prints_usage_and_a_missing_script_says_so_once():
-    """`python -m elastictrain.warmstart --help`: usage on stdout, exit 0; with no script: one line, exit 2."""
-    command = [sys.executable, "-m", "elastictrain.warmstart"]
+    """`python -m elastictrain.launcher.warmstart --help`: usage on stdout, exit 0; with no script: one line, exit 2."""
+    command = [sys.executable, "-m", "elastictrain.launcher.warmstart"]
     shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env={**os.environ, **job_env()})
     assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
-    assert shown.stdout.startswith("usage: torchrun ... -m elastictrain.warmstart [--preload a,b] (SCRIPT | -m MODULE)")
+    assert shown.stdout.startswith("usage: torchrun ... -m elastictrain.launcher.warmstart [--preload a,b] (SCRIPT | -m MODULE)")
     missing = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **job_env()})
     assert missing.returncode == 2
-    assert missing.stderr.count("elastictrain.warmstart:") == 1, missing.stderr
-    assert missing.stderr.startswith("elastictrain.warmstart: give the script to run"), missing.stderr
+    assert missing.stderr.count("elastictrain.launcher.warmstart:") == 1, missing.stderr
+    assert missing.stderr.startswith("elastictrain.launcher.warmstart: give the script to run"), missing.stderr
 
 
 PRELOAD = '''
 import sys
-from elastictrain import threads, warmstart
+from elastictrain.core import threads
+from elastictrain.launcher import warmstart
 
 threads.warm_up = lambda: print("warmed up with", sorted(m for m in ("torch", "json") if m in sys.modules), flush=True)
 print("preloaded:", warmstart.preload(tuple(sys.argv[1].split(","))), flush=True)
@@ -253,6 +254,6 @@ def test_the_preload_warms_up_mkls_report_once_torch_is_imported_and_a_failed_im
                           cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == lines
-    failed = ["elastictrain.warmstart: preloading no_such_module_here failed (ModuleNotFoundError: "
+    failed = ["elastictrain.launcher.warmstart: preloading no_such_module_here failed (ModuleNotFoundError: "
               "No module named 'no_such_module_here'); restarts run cold"]
     assert done.stderr.splitlines() == (failed if "no_such" in preload else [])

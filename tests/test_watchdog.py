@@ -14,11 +14,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastictrain.events import RunInfo, TrainInterval
-from elastictrain.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, loop_position
-from elastictrain.states import State
-from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
-from elastictrain.watchdog import HUNG_EXIT_CODE, Watchdog
+from elastictrain.core.events import RunInfo, TrainInterval
+from elastictrain.health.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, loop_position
+from elastictrain.core.states import State
+from elastictrain.observe.stragglers import StragglerReport, StragglerSettings, find_stragglers
+from elastictrain.health.watchdog import HUNG_EXIT_CODE, Watchdog
 
 SETTINGS = WatchdogSettings(hang_timeout_s=30, step_multiple=10, first_step_s=600, restore_s=500, evaluate_s=1800, snapshot_s=700)
 
@@ -227,9 +227,9 @@ def test_the_heartbeat_says_where_the_loop_thread_is_and_whether_it_waits(store)
 
 
 @pytest.mark.parametrize("module, waiting", [
-    ("elastictrain.collectives", True),  # a broadcast or all-reduce of elastictrain's own
-    ("elastictrain.ddp", True),  # DDP's construction broadcasts the parameters
-    ("elastictrain.dist", True),  # setup and teardown: the process group forms and ends together
+    ("elastictrain.dist.collectives", True),  # a broadcast or all-reduce of elastictrain's own
+    ("elastictrain.dist.ddp", True),  # DDP's construction broadcasts the parameters
+    ("elastictrain.dist.group", True),  # setup and teardown: the process group forms and ends together
     ("torch.distributed.distributed_c10d", True),
     ("tests.helpers.tasks", False),  # user code: a rank stuck there holds the others up
 ])

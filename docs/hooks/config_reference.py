@@ -1,4 +1,4 @@
-"""mkdocs hook: render the config reference from ``elastictrain/config.py`` at build time.
+"""mkdocs hook: render the config reference from ``elastictrain/core/config.py`` at build time.
 
 The page ``reference/config.md`` holds the marker below; this hook replaces it with one table per
 section of the typed config, walked recursively from ``Config``, so a new key or section appears
@@ -30,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:  # the build works from a clone, installed or
 
 from pydantic import BaseModel  # noqa: E402
 
-from elastictrain.config import Config  # noqa: E402
+from elastictrain.core.config import Config  # noqa: E402
 
 MARKER, END = "<!-- config-reference -->", "<!-- /config-reference -->"
 PAGE = "reference/config.md"

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastictrain import Trainer, seed_everything
-from elastictrain.tasks.spirals import make_spirals
+from elastictrain.train.tasks.spirals import make_spirals
 
 seed_everything(0)  # the same initial weights in every run
 model = nn.Sequential(

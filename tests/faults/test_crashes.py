@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -114,7 +114,7 @@ def test_a_metric_key_returned_on_one_rank_only_is_one_line_naming_rank_and_key_
     assert len(failures) == 1, lines[-3000:]  # every rank stops at the same reduce; one of them says it, once
     assert failures[0].startswith("rank 1's loss_fn returned the metric key 'rank_only' and rank 0's did not (1 of 2 ranks "
                                   "returned it); every rank must return the same metric keys"), failures[0]
-    assert " a1] " not in lines, "the restart leaves at once, silently (elastictrain/fatal.py)"
+    assert " a1] " not in lines, "the restart leaves at once, silently (elastictrain/core/fatal.py)"
     assert "lost a peer" not in lines and "Traceback" not in lines
 
 

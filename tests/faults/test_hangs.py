@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.watchdog import HUNG_EXIT_CODE
+from elastictrain.health.watchdog import HUNG_EXIT_CODE
 from tests.conftest import job_env, parse_job, python_command, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import JOB, TIMEOUT_S, start_steps

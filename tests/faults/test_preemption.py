@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.storage import SnapshotStore
-from elastictrain.vote import MAX_STEPS_BETWEEN_VOTES
+from elastictrain.storage.snapshot_store import SnapshotStore
+from elastictrain.dist.vote import MAX_STEPS_BETWEEN_VOTES
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import ONE_THREAD, TIMEOUT_S, launch_job, start_steps

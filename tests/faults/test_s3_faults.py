@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from elastictrain.storage import SnapshotStore
+from elastictrain.storage.snapshot_store import SnapshotStore
 from tests.conftest import parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps

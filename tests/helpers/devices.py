@@ -36,7 +36,7 @@ CUDA_FP16 = Variant("cuda-fp16", (*ONE_GPU, "train.autocast_dtype=float16"))  # 
 CUDA_VARIANTS = (CUDA_FP32, CUDA_BF16, CUDA_FP16)
 ALL = (CPU, *CUDA_VARIANTS)
 
-# What dist.setup logs on every CUDA rank 0 (elastictrain/determinism.py).
+# What dist.setup logs on every CUDA rank 0 (elastictrain/core/determinism.py).
 DETERMINISM_LINE = ("CUDA determinism for bitwise resume: torch.use_deterministic_algorithms(True), "
                     "CUBLAS_WORKSPACE_CONFIG=:4096:8; dist.deterministic=false turns both off")
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.session import Session
+from elastictrain.train.session import Session
 
 CONFIG = {
     "run": {"name": "healing-loop"},

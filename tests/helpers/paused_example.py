@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastictrain.session import Session
+from elastictrain.train.session import Session
 
 PAUSE_S = 600.0
 

@@ -159,7 +159,7 @@ def ensure_none_running(script: pathlib.Path, context: str, grace_s: float = 5.0
 
 def warm_servers(agent_pid: int) -> list[int]:
     """The live warm-start servers of a torchrun agent and the workers they forked: none is a descendant of the agent."""
-    from elastictrain.warmstart import server_pids
+    from elastictrain.launcher.warmstart import server_pids
 
     servers = server_pids(agent_pid)
     return sorted({*servers, *(pid for server in servers for pid in descendants(server))})
@@ -265,7 +265,7 @@ class Launched:
         The tree is first frozen with SIGSTOP, repeating until a refresh finds no new pid, so
         no process can start a child between being seen and being killed.
         """
-        from elastictrain.warmstart import server_pids
+        from elastictrain.launcher.warmstart import server_pids
 
         # A warm-start server is forked from a worker, so the search can adopt it in that moment; left alone, it
         # exits with its agent and removes its socket and lock file, which a SIGKILL would leave behind.

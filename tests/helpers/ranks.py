@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "torch.nn", "elastictrain.dist"]
+PRELOAD = ["torch", "torch.distributed", "torch.nn", "elastictrain.dist.group"]
 
 
 def context():

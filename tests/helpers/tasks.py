@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from elastictrain import Task
-from elastictrain.tasks import spirals
+from elastictrain.train.tasks import spirals
 
 
 class IndexedDataset(Dataset):

@@ -1,0 +1,1 @@
+"""The elastictrain command: train, snapshots list/show/export, plot."""

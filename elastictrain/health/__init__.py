@@ -1,0 +1,1 @@
+"""Is this step sound: anomaly checks, the agreed skip/update decision, replica fingerprints, the watchdog and hang reports."""

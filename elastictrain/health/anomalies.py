@@ -1,0 +1,476 @@
+"""Self-healing: a non-finite or spiking step is skipped, or rolled back and replayed to tell data from fault.
+
+What is checked, on every rank, before each optimizer step (``session.gradients_ok()``;
+``StepRunner`` calls it): the global gradient norm, where it is read, and the rank's own loss of
+the step (``gradients_ok(loss=)``, or logged before it). Each rank's finding is made every rank's
+(update_check.py: a 1-element all-reduce), so every rank takes the same decision at the same step:
+a fault in one rank's gradients after the all-reduce, or one rank's non-finite loss, holds every
+rank's update. A non-finite loss also names the rank a NaN came from before the all-reduce spread it.
+
+``anomaly.policy``:
+
+- ``skip``: the optimizer step is not taken on any rank (the gradients are dropped), one line
+  naming the ranks that saw it, and the step's global sample indices are recorded in the
+  snapshot's anomaly log. Forward passes have run: buffers they update (BatchNorm statistics)
+  keep what the step's forward put there.
+- ``rollback`` (the default): this rank skips the update too and raises a request the vote
+  makes every rank's; at the agreed step every rank enters ROLLBACK, restores the newest
+  snapshot in-process (the fast tier first) and replays bitwise. A fast copy of the step before
+  the anomaly is taken during the replay. If the anomaly recurs at the same step, it is the
+  data: the step's samples go on the skip list (in every snapshot, honoured by every later
+  attempt and world size: the sampler leaves them out of each epoch's order) and the run rolls
+  back once more, to that copy, and goes on without them — its numbers are then those of a run
+  given the same list up front (``anomaly.skip_samples``). If it does not recur, it was a
+  transient fault: one line naming the rank and host where that can be told, a counter, and
+  the run goes on, bitwise equal to an unbroken one.
+
+Every rollback counts against ``anomaly.max_rollbacks``; past it the run stops with one line
+(an ``AnomalyError``, recorded so that restarts do not retry it), every snapshot intact.
+``judge`` (what a rollback does, from every rank's sightings) is pure and table-tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from elastictrain.dist.collectives import all_gather
+from elastictrain.core.config import AnomalyConfig
+from elastictrain.dist.group import DistContext
+from elastictrain.core.errors import AnomalyError
+from elastictrain.dist.fsdp import full_value
+from elastictrain.health.update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
+from elastictrain.dist.vote import NOTHING, Requests
+
+log = logging.getLogger("elastictrain")
+
+SHOWN_SAMPLES = 8  # sample indices named in a log line (the snapshot's anomaly log keeps them all)
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What one rank saw: the first anomalous step since the last rollback, the value, and where."""
+
+    step: int
+    value: float
+    kind: str  # "gradient norm", "loss" (a rank's own), or "weights" (non-finite before a snapshot)
+    host: str
+    spike: bool = False  # a finite value over anomaly.spike_factor times its running mean
+    own_loss: bool = False  # this rank's own loss was non-finite at that step: a NaN started here
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a ROLLBACK does: ``rollback`` (replay to tell data from fault), ``data`` (it recurred: skip the
+    step's samples), ``fault`` (it recurred in some ranks' gradients only: their hardware) or ``stop`` (over
+    the budget)."""
+
+    action: str
+    step: int
+    ranks: tuple[int, ...]
+    value: float
+    kind: str
+    origin: tuple[int, ...] = ()  # the ranks whose own loss was non-finite at that step: where a NaN came from
+
+
+def judge(sightings: list[Sighting | None], replaying: int | None, rollbacks: int, budget: int) -> Verdict:
+    """From every rank's sighting (None: saw nothing), the step being replayed (None: no replay) and the
+    rollbacks so far: what this rollback does. The same on every rank (the sightings are gathered)."""
+    seen = [(rank, s) for rank, s in enumerate(sightings) if s is not None]
+    if not seen:
+        raise RuntimeError("ROLLBACK without an anomaly on any rank")  # decide() only enters it on one
+    step = min(s.step for _, s in seen)
+    at_step = [(rank, s) for rank, s in seen if s.step == step]
+    ranks = tuple(rank for rank, _ in at_step)
+    first = min((s for _, s in at_step), key=lambda s: ("gradient norm", "loss", "weights").index(s.kind))
+    origin = tuple(rank for rank, s in at_step if s.own_loss)
+    if rollbacks >= budget:
+        action = "stop"
+    elif replaying == step and len(ranks) < len(sightings) and not origin:
+        # Data reaches every rank through the all-reduce, or starts as a rank's non-finite loss: an anomaly
+        # in some ranks' gradients only, again on replay, is that hardware's (a rank's memory or device).
+        action = "fault"
+    elif replaying == step:
+        action = "data"
+    else:
+        action = "rollback"
+    return Verdict(action, step, ranks, first.value, first.kind, origin)
+
+
+class GradNormStatistic:
+    """The running mean of each check's gradient norm (one per ``gradients_ok`` call in a step): training
+    state, in every snapshot and restored by a rollback, so a resumed run judges spikes as an unbroken one."""
+
+    def __init__(self) -> None:
+        self.means: list[float] = []
+        self.counts: list[int] = []
+
+    def is_spike(self, index: int, norm: float, factor: float, warmup_steps: int) -> bool:
+        if factor <= 0 or index >= len(self.means) or self.counts[index] < warmup_steps:
+            return False
+        return norm > factor * self.means[index]
+
+    def update(self, index: int, norm: float, window: int) -> None:
+        while len(self.means) <= index:
+            self.means.append(0.0)
+            self.counts.append(0)
+        count = self.counts[index] + 1
+        weight = 1.0 / min(count, window)  # the plain mean while warming up, then an exponential one
+        self.means[index] += weight * (norm - self.means[index])
+        self.counts[index] = count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"means": list(self.means), "counts": list(self.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.means = [float(m) for m in state_dict.get("means", [])]
+        self.counts = [int(c) for c in state_dict.get("counts", [])]
+
+
+class AnomalyLog:
+    """What the run learned: the skip lists, every anomaly and its decision, the counters. In every snapshot;
+    a rollback keeps it (it is what the rollback found out), a restart restores it."""
+
+    def __init__(self, skip_samples: Iterable[int] = ()) -> None:
+        self.preset = frozenset(int(i) for i in skip_samples)  # anomaly.skip_samples: given, not learned
+        self.skipped_samples: set[int] = set(self.preset)  # global sample indices the sampler leaves out
+        self.skipped_steps: set[int] = set()  # steps whose update is not taken (a loop without map-style data)
+        self.entries: list[dict[str, Any]] = []
+        self.counts = {"skip": 0, "rollback": 0, "data": 0, "transient": 0}
+
+    def add(self, **entry: Any) -> None:
+        self.entries.append(entry)
+        self.counts[entry["decision"]] = self.counts.get(entry["decision"], 0) + 1
+
+    @property
+    def rollbacks(self) -> int:
+        return self.counts["rollback"] + self.counts["data"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_samples": sorted(self.skipped_samples - self.preset), "skipped_steps": sorted(self.skipped_steps),
+                "entries": [dict(e) for e in self.entries], "counts": dict(self.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_samples.clear()  # in place: the training data holds this very set
+        self.skipped_samples.update(self.preset, (int(i) for i in state_dict.get("skipped_samples", [])))
+        self.skipped_steps = {int(s) for s in state_dict.get("skipped_steps", [])}
+        self.entries = [dict(e) for e in state_dict.get("entries", [])]
+        self.counts = {**self.counts, **{k: int(v) for k, v in state_dict.get("counts", {}).items()}}
+
+
+class Anomalies:
+    """One rank's anomaly checks and the bookkeeping of a rollback's replay. ``log``/``stats`` are in snapshots."""
+
+    def __init__(self, cfg: AnomalyConfig, record: AnomalyLog, stats: GradNormStatistic) -> None:
+        self.cfg, self.record, self.stats = cfg, record, stats
+        self.active = cfg.policy != "off"
+        # Whether every step's gradient norm is read (one pass over the gradients): see AnomalyConfig.
+        self.check_gradients = self.active and (cfg.check_gradients is True or (
+            cfg.check_gradients == "auto" and (cfg.policy == "skip" or cfg.spike_factor > 0)))
+        self.host = socket.gethostname()
+        self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
+        self.replaying: int | None = None  # the anomalous step a replay is heading for
+        self.replay_origin: Verdict | None = None  # what was seen the first time, for the transient line
+        self._index = 0  # which gradients_ok call of the step
+        self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
+        self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
+        self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
+        self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
+        self.events: Any = None
+        self.ctx: DistContext | None = None
+
+    def attach(self, ctx: DistContext, events: Any) -> None:
+        self.ctx, self.events = ctx, events
+
+    # -- the checks (every step) ---------------------------------------------------------------
+
+    def gradients_ok(self, norm: float | None, step: int, loss: Any = None) -> bool:
+        """Before the optimizer step of ``step`` (1-based): True to take it, the same on every rank (agreed: a
+        collective every rank makes). ``norm`` None: not read this step; ``loss``: this rank's loss of the step."""
+        index, self._index = self._index, self._index + 1
+        if step in self.record.skipped_steps:
+            return False  # listed (the same list on every rank): this step's update was found to come from its data
+        if not self.active:
+            return True
+        self.loss(loss, step)
+        spike = norm is not None and math.isfinite(norm) and self.stats.is_spike(
+            index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
+        finding = finding_of(norm, spike, self._own_loss_of(step), self.host)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
+            decision = decide_update(ahead[1]())
+        else:
+            decision = decide_update(agree(finding, self.ctx))
+        if decision.take:
+            if norm is not None:
+                self.stats.update(index, norm, self.cfg.spike_window_steps)
+            return True
+        if self.cfg.policy == "skip":
+            self._skip(step, decision)
+        elif finding is not None and finding.kind == "gradient norm" and (
+                self.pending is None or (self.pending.step == step and self.pending.kind == "loss")):
+            # Only the ranks that saw it raise it: the others hold their update, and the vote brings the rollback.
+            self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
+        return False
+
+    def agree_ahead(self, step: int) -> None:
+        """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
+        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
+        if self.active and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
+            self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
+
+    def _own_loss_of(self, step: int) -> float | None:
+        return self._own_loss[1] if self._own_loss is not None and self._own_loss[0] == step else None
+
+    def loss(self, value: Any, step: int) -> None:
+        """A rank's own loss of ``step`` (None: not logged): a non-finite one holds the step's update (every rank's,
+        agreed in ``gradients_ok``) and, in rollback mode, is raised for the vote."""
+        if value is None or not self.active or step in self.record.skipped_steps:
+            return
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if math.isfinite(number):
+            return
+        if self._own_loss is None or self._own_loss[0] != step:
+            self._own_loss = (step, number)
+        if self.cfg.policy != "rollback":
+            return
+        if self.pending is None:
+            self.pending = Sighting(step, number, "loss", self.host, own_loss=True)
+        elif self.pending.step == step:
+            self.pending = dataclasses.replace(self.pending, own_loss=True)
+
+    def weights(self, parameters: Iterable[torch.Tensor], step: int) -> None:
+        """Before anything leaves TRAIN (a snapshot, above all): this rank's weights must be finite, or the update
+        that broke them (an anomaly the cheaper checks let through) is rolled back instead of saved."""
+        if self.cfg.policy != "rollback" or self.pending is not None:
+            return
+        # FSDP: this rank's shards alone, no collective (ranks with a sighting skip this check): every element is
+        # checked by the rank holding it, and the sightings of all ranks are gathered at the vote.
+        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]
+        if not math.isfinite(norm_of(local)):
+            self.pending = Sighting(step, math.nan, "weights", self.host)
+
+    def stepped(self, step: int, samples: Callable[[], list[int] | None]) -> None:
+        """``session.step()`` of ``step``, before the data position moves on: the step's samples where wanted."""
+        self._index = 0
+        if self._skipped_now is not None:
+            entry, self._skipped_now = self._skipped_now, None
+            entry["samples"] = samples() or []
+            self.record.add(**entry)
+            self._say_skip(entry)
+        if self.replaying == step:
+            self._replayed_samples = samples()
+
+    def _skip(self, step: int, decision: UpdateDecision) -> None:
+        if self._skipped_now is None:  # the first check of the step that failed names it
+            found = decision.found
+            self._skipped_now = {"step": step, "value": found.value, "kind": found.kind, "spike": found.spike,
+                                 "decision": "skip", "ranks": list(decision.ranks), "hosts": list(decision.hosts),
+                                 "origin": list(decision.origin)}
+
+    def _say_skip(self, entry: dict[str, Any]) -> None:
+        if self.ctx is not None and self.ctx.is_main:
+            hosts = dict(zip(entry["ranks"], entry["hosts"]))
+            seen = where(entry["kind"], entry["ranks"], entry["origin"],
+                         [hosts.get(r) for r in range(self.ctx.world_size)], self.ctx.world_size)
+            log.warning("anomaly at step %d: %s%s; the optimizer step was skipped on every rank (anomaly.policy=skip), "
+                        "its %d samples recorded (%s)", entry["step"],
+                        _what(entry["kind"], entry["value"], entry["spike"], self.cfg), seen,
+                        len(entry["samples"]), _shown(entry["samples"]))
+        self._emit(entry)
+
+    # -- the vote and the replay ----------------------------------------------------------------
+
+    def due(self, step: int, fast_tier: bool) -> Requests:
+        """Every rank at the same step of a replay: a copy of the step before the anomaly, to roll back to should
+        it recur (so that the run then goes on from there without its samples)."""
+        if self.replaying is not None and step == self.replaying - 1:
+            return Requests(local_snapshot=True) if fast_tier else Requests(snapshot=True)
+        return NOTHING
+
+    def verifying(self, step: int) -> bool:
+        """The replay reached the anomalous step: every rank settles the vote here to learn whether it recurred."""
+        return self.replaying is not None and step == self.replaying
+
+    def replayed_clean(self, step: int) -> None:
+        """The replay passed the anomalous step with no anomaly on any rank: a transient fault."""
+        seen = self.replay_origin
+        self.replaying, self.replay_origin = None, None
+        entry = {"step": step, "value": seen.value, "kind": seen.kind, "decision": "transient",
+                 "ranks": list(seen.ranks), "hosts": self._hosts(seen.ranks)}
+        self.record.add(**entry)
+        if self.ctx.is_main:
+            log.warning("step %d replayed clean: the anomaly (%s %s) was a transient fault%s; training goes on "
+                        "(transient faults so far: %d)", step, seen.kind, _number(seen.value), self._where(seen),
+                        self.record.counts["transient"])
+        self._emit(entry)
+
+    def agree(self) -> Verdict:
+        """ROLLBACK, on every rank: gather what each rank saw and judge it; say it in one line; stop past the budget."""
+        sightings = all_gather(self.pending, self.ctx) if self.ctx.distributed else [self.pending]
+        self._hosts_by_rank = [s.host if s is not None else None for s in sightings]
+        verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
+        what = f"{verdict.kind} {_number(verdict.value)}" + (" (a spike)" if any(
+            s is not None and s.spike for s in sightings) else "")
+        if verdict.action == "fault":
+            raise AnomalyError(
+                f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) recurred on replay in those ranks' "
+                "gradients only, which the all-reduce makes equal on every rank: a persistent hardware fault there, "
+                "not the data; training stopped, every snapshot is intact; replace that node (or exclude it) and "
+                "launch again"
+            )
+        if verdict.action == "stop":
+            raise AnomalyError(
+                f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) after {self.record.rollbacks} "
+                f"rollback(s), anomaly.max_rollbacks={self.cfg.max_rollbacks}: training stopped, every snapshot is "
+                "intact; look at the anomaly log (elastictrain snapshots show), then raise anomaly.max_rollbacks, "
+                "set anomaly.policy=skip, or fix the data or the learning rate"
+            )
+        return verdict
+
+    def nothing_to_roll_back_to(self, verdict: Verdict) -> AnomalyError:
+        """ROLLBACK found no snapshot (an anomaly before the first one): the one line to stop with."""
+        return AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
+                            "to roll back to yet: training stopped; take snapshots more often "
+                            "(snapshot.durable.every_steps, or a fast tier: snapshot.local.url with "
+                            "snapshot.local.every_steps), or set anomaly.policy=skip")
+
+    def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
+        """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
+        replayed step's global samples (a data verdict); ``rank_batch``: each rank's share of a micro-batch."""
+        self.pending, self._skipped_now, self._replayed_samples, self._own_loss = None, None, None, None
+        self._ahead = None
+        self._index = 0
+        entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
+                 "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step,
+                 "origin": list(verdict.origin)}
+        if verdict.action == "data":
+            self.replaying, self.replay_origin = None, None
+            if samples is not None:
+                samples = of_ranks(samples, verdict.origin, self.ctx.world_size, rank_batch)
+                self.record.skipped_samples.update(samples)
+                entry["samples"] = list(samples)
+            else:
+                self.record.skipped_steps.add(verdict.step)
+            self.record.add(**entry)
+            if self.ctx.is_main:
+                log.warning("anomaly at step %d recurred on replay (%s %s): it is the data; %s skipped from now on "
+                            "at every world size; rolled back to step %d (rollback %d of %d)", verdict.step,
+                            verdict.kind, _number(verdict.value),
+                            f"its {len(samples)} samples ({_shown(samples)}) are" if samples is not None
+                            else "the step's update is", restored_step, self.record.rollbacks, self.cfg.max_rollbacks)
+        else:
+            self.replaying, self.replay_origin = verdict.step, verdict
+            self.record.add(**entry)
+            if self.ctx.is_main:
+                log.warning("anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
+                            verdict.step, verdict.kind, _number(verdict.value), self._where(verdict), restored_step,
+                            self.record.rollbacks, self.cfg.max_rollbacks)
+        self._emit(entry)
+
+    @property
+    def replayed_samples(self) -> list[int] | None:
+        return self._replayed_samples
+
+    def wants_samples(self, step: int) -> bool:
+        return self._skipped_now is not None or self.replaying == step
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _hosts(self, ranks: Iterable[int]) -> list[str]:
+        hosts = getattr(self, "_hosts_by_rank", None) or []
+        return [hosts[r] for r in ranks if r < len(hosts) and hosts[r] is not None]
+
+    def _where(self, verdict: Verdict) -> str:
+        world = self.ctx.world_size if self.ctx is not None else 1
+        return where(verdict.kind, verdict.ranks, verdict.origin, getattr(self, "_hosts_by_rank", None) or [], world)
+
+    def _emit(self, entry: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.anomaly(dict(entry))
+
+
+def where(kind: str, ranks: Iterable[int], origin: Iterable[int], hosts: list[str | None], world_size: int) -> str:
+    """Where an anomaly was seen, for its line: the ranks (and hosts) to suspect. ``ranks``: those that saw
+    something at its step; ``origin``: those whose own loss was non-finite; ``hosts``: each rank's, by rank."""
+    ranks, origin = list(ranks), list(origin)
+
+    def named(which: list[int]) -> str:
+        return _ranks(which, [hosts[r] for r in which if r < len(hosts) and hosts[r] is not None])
+
+    if world_size == 1:
+        return ""
+    if kind == "loss":  # a rank's own number: the ranks it was non-finite on, not those its NaN reached through
+        return f" on rank(s) {named(origin or ranks)}"  # the all-reduce (their weights, checked before a snapshot)
+    if kind != "gradient norm":  # the weights
+        return f" on rank(s) {named(ranks)}"
+    if len(ranks) == world_size:
+        if origin and len(origin) < world_size:
+            return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
+                    f"{named(origin)}")
+        return " on every rank (after the gradient all-reduce its origin cannot be told)"
+    return f" on rank(s) {named(ranks)} only"
+
+
+def of_ranks(samples: list[int], ranks: tuple[int, ...], world_size: int, rank_batch: int) -> list[int]:
+    """The samples of ``ranks`` among a step's global ``samples`` (data/sampling.py's layout: each micro-batch is every
+    rank's ``rank_batch`` in rank order); all of them when no rank, or every rank, is named."""
+    if not ranks or len(ranks) >= world_size or rank_batch <= 0:
+        return list(samples)
+    return [index for position, index in enumerate(samples) if (position // rank_batch) % world_size in ranks]
+
+
+def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
+    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), as a Python float: one read of
+    the gradients and one host read. ``get_total_norm``'s grouping by device and dtype costs ~4x more per call
+    than the norm itself for a small model; its result is what clipping uses, so with clipping on the loop
+    checks that one instead (step_runner.py)."""
+    return norm_of([p.grad for p in parameters if p.grad is not None])
+
+
+def clipping_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of the gradients as ``clip_grad_norm_`` computes it (its first half, FSDP's shards as
+    one), a tensor to hand to ``torch.nn.utils.clip_grads_with_norm_`` (its second half): one norm, read once."""
+    return full_value(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0))
+
+
+def norm_of(tensors: list[torch.Tensor]) -> float:
+    """The 2-norm of all ``tensors`` together, as a Python float (0.0 for none)."""
+    if not tensors:
+        return 0.0
+    if any(isinstance(t, DTensor) for t in tensors):  # FSDP's shards: the global norm, never one rank's part
+        return float(torch.nn.utils.get_total_norm(tensors, 2.0).full_tensor())
+    if len({(t.device, t.dtype) for t in tensors}) > 1:  # one foreach call takes one device and dtype
+        return float(torch.nn.utils.get_total_norm(tensors, 2.0))
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0))))
+
+
+def _what(kind: str, value: float, spike: bool, cfg: AnomalyConfig) -> str:
+    return f"{kind} {_number(value)}" + (f" (over {cfg.spike_factor:g} x its running mean)" if spike else "")
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}" if math.isfinite(value) else str(value)
+
+
+def _ranks(ranks: Iterable[int], hosts: list[str]) -> str:
+    ranks = list(ranks)
+    names = ", ".join(str(r) for r in ranks)
+    unique = sorted(set(hosts))
+    return f"{names} (host {', '.join(unique)})" if unique else names
+
+
+def _shown(samples: list[int]) -> str:
+    shown = ", ".join(str(i) for i in samples[:SHOWN_SAMPLES])
+    return f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
+
+
+__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "clipping_norm", "grad_norm", "judge",
+           "where"]

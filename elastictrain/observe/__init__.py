@@ -1,0 +1,1 @@
+"""What operators watch: goodput accounting, stragglers, Prometheus metrics, plots, experiment trackers."""
