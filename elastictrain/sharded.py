@@ -34,11 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from .config import is_local_url
 from .errors import SnapshotError, StorageError
-from .manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+from .hashing import checksum_stream
+from .manifest import ObjectEntry
 from .snapshot import tensors_in
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
-_CHUNK = 8 << 20
 # What DCP's save and load warn every time they run without a process group. A run of one worker has
 # none (elastictrain forms no group for one process), and one process is exactly what it means.
 _SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
@@ -132,12 +132,8 @@ class ShardedState:
         """The size and checksum of the file ``name`` under ``url``, read back (DCP records none)."""
         import fsspec
 
-        hasher, size = CHECKSUMS[CHECKSUM](), 0
         with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **self.storage_options) as handle:
-            while chunk := handle.read(_CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-        return ObjectEntry(size=size, algorithm=CHECKSUM, digest=hasher.hexdigest())
+            return checksum_stream(handle)
 
 
 def consolidated_model(url: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
