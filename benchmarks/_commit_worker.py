@@ -25,7 +25,7 @@ import torch
 
 import elastictrain
 from benchmarks import _big_task
-from elastictrain import snapshot
+from elastictrain import rng, snapshot
 from elastictrain.storage import SnapshotStore
 
 
@@ -41,7 +41,7 @@ def build_objects() -> dict:
         "format_version": 1,
         "optimizer": optimizer.state_dict(),
         "progress": {"global_step": 1, "epoch": 0, "epoch_offset": 16},
-        "rng": [snapshot.capture_rng(torch.device("cpu"))],
+        "rng": [rng.capture_rng(torch.device("cpu"))],
     }
     return {"model.pt": model.state_dict(), "state.pt": state}
 

@@ -38,7 +38,7 @@ __all__ = sorted([*_EXPORTS, "seed_everything"])
 
 def __getattr__(name: str) -> Any:
     if name == "seed_everything":
-        return importlib.import_module(".snapshot", __name__).seed_rng
+        return importlib.import_module(".rng", __name__).seed_rng
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

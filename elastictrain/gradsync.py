@@ -40,7 +40,7 @@ from torch import nn
 from . import ddp, dist
 from .config import Config
 from .errors import ConfigError
-from .snapshot import seed_rng
+from .rng import seed_rng
 from .stragglers import GradientSyncTimer
 
 

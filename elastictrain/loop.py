@@ -31,7 +31,8 @@ from .events import Observer
 from .geometry import run_steps, scheduler_steps
 from .reduce import reduce_objects
 from .session import RunSummary, Session
-from .snapshot import Progress, seed_rng
+from .rng import seed_rng
+from .snapshot import Progress
 from .states import State
 from .step_runner import StepRunner
 from .task import PendingScheduler, Task, load_task, split_loss

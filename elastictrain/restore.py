@@ -22,7 +22,8 @@ from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_m
 from .errors import ConfigError, ElastictrainError, SnapshotError
 from .manifest import Manifest
 from .resume_checks import check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters
-from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng
+from .rng import restore_rng, seed_rng
+from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object
 
 if TYPE_CHECKING:
     from torch import nn

@@ -47,7 +47,7 @@ from .registry import Registry
 from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
-from .snapshot import seed_rng
+from .rng import seed_rng
 from .step_runner import autocast
 from .summary import RunSummary, attach_reporters, summarize
 from .plan import Plan, decide, run_finished

@@ -43,7 +43,8 @@ from .manifest import Manifest
 from .restore import Restored, restore_newest
 from .sharded import SHARDED, ShardedState
 from .sharded_writes import ShardedWrites
-from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, capture_rng, save_object, tensors_in, writer_for
+from .rng import capture_rng
+from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, save_object, tensors_in, writer_for
 from .staging import Stager
 from .storage import SnapshotStore
 

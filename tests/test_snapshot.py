@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from elastictrain.errors import SnapshotError
-from elastictrain.snapshot import (
-    History, Progress, capture_rng, load_model_weights, load_object, params_sha256, restore_rng, save_object,
-)
+from elastictrain.rng import capture_rng, restore_rng
+from elastictrain.snapshot import History, Progress, load_model_weights, load_object, params_sha256, save_object
 
 
 def draws():
