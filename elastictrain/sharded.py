@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -37,6 +36,7 @@ from .errors import SnapshotError, StorageError
 from .hashing import checksum_stream
 from .manifest import ObjectEntry
 from .snapshot import tensors_in
+from .staging import Stager
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
 # What DCP's save and load warn every time they run without a process group. A run of one worker has
@@ -62,7 +62,7 @@ class ShardedState:
         self.model = model
         self.optimizers = optimizers
         self.storage_options = storage_options or {}
-        self._staged: dict[str, Any] | None = None  # async_write: this rank's shards staged on the CPU (stage)
+        self._stager = Stager()  # async_write: this rank's shards staged on the CPU (stage), buffers reused
 
     def _state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
@@ -71,10 +71,7 @@ class ShardedState:
     def stage(self) -> dict[str, Any]:
         """This rank's shards copied out of the live model and optimizers (``snapshot.durable.async_write``): what a
         writer thread saves while training changes the originals."""
-        state = self._state()
-        if self._staged is None:  # CPU buffers made once, reused by every snapshot (DCP's async_save stages alike)
-            self._staged = _create_cpu_state_dict(state)
-        return _copy_state_dict(state, self._staged)
+        return self._stager.stage(self._state())
 
     def save(self, url: str, rank: int, world_size: int, step: int, staged: dict[str, Any] | None = None,
              group: Any = None) -> dict[str, ObjectEntry]:
