@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from .config import is_local_url
-from .errors import SnapshotError, StorageError
+from .errors import SnapshotError, StorageError, one_line
 from .hashing import checksum_stream
 from .manifest import ObjectEntry
 from .snapshot import tensors_in
@@ -83,7 +83,7 @@ class ShardedState:
             return {name: self.checksum(url, name) for name in [*files, ".metadata"][rank::world_size]}
         except OSError as exc:
             raise StorageError(f"the sharded snapshot of step {step} could not be read back from {url} "
-                               f"({_one_line(exc)}) — the previous snapshot is intact") from None
+                               f"({one_line(exc, 400)}) — the previous snapshot is intact") from None
 
     def write(self, url: str, step: int, staged: dict[str, Any] | None = None, group: Any = None) -> list[str]:
         """Every rank: write this rank's shards under ``url`` (DCP's collective save; the coordinator writes
@@ -94,7 +94,7 @@ class ShardedState:
                                 process_group=group)
             return sorted({info.relative_path for info in metadata.storage_data.values()})
         except (OSError, dcp.api.CheckpointException) as exc:
-            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({_one_line(exc)}); "
+            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({one_line(exc, 400)}); "
                                "check free space and permissions — the previous snapshot is intact") from None
 
     def local_bytes(self) -> int:
@@ -109,7 +109,7 @@ class ShardedState:
         try:
             dcp.load(state, storage_reader=self._reader(url))
         except (OSError, dcp.api.CheckpointException, RuntimeError) as exc:
-            raise SnapshotError(f"{where}: its shards do not load into this model ({_one_line(exc)}); resume with the "
+            raise SnapshotError(f"{where}: its shards do not load into this model ({one_line(exc, 400)}); resume with the "
                                 "model that took it, or point snapshot.durable.url elsewhere to start fresh") from None
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -148,6 +148,3 @@ def consolidated_model(url: str, storage_options: dict | None = None) -> dict[st
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:400] or type(exc).__name__
