@@ -16,7 +16,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Callable
 
 import torch
 from torch import nn
@@ -27,13 +27,6 @@ from .errors import SnapshotError
 FORMAT_VERSION = 1
 MODEL_OBJECT = "model.pt"
 STATE_OBJECT = "state.pt"
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass
