@@ -221,8 +221,8 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
     progress = target.statefuls["progress"]
     saved_env = state["env"]
     for name, component in target.rank_statefuls.items():
-        saved_ranks = state.get("rank_states", {}).get(name)
-        if saved_ranks is None:  # an older snapshot: it reduced its metric sums when it was taken
+        saved_ranks = state["rank_states"].get(name)
+        if saved_ranks is None:  # the run saved has no such per-rank state (its data was of another kind)
             continue
         if saved_env["world_size"] != target.ctx.world_size and hasattr(component, "load_resharded"):
             component.load_resharded(saved_ranks, target.ctx.rank)
