@@ -161,3 +161,25 @@ def test_staging_reuses_its_buffers_and_shares_nothing_with_the_source():
     assert stager.nbytes == held + 2 * 8
     stager.stage({"rng": [torch.arange(7)]})
     assert stager.nbytes == 7 * 8, "buffers of tensors that are gone are freed"
+
+
+def test_staging_a_dtensor_keeps_its_layout_and_stages_its_local_shard_in_a_reused_buffer():
+    """ShardedState.stage (dist.strategy=fsdp, async_write): the staged shards are DTensors DCP saves as it would
+    the live ones, and they no longer follow training."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        live = distribute_tensor(torch.arange(6.0).reshape(3, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+        stager = Stager()
+        first = stager.stage({"model": {"w": live}})["model"]["w"]
+        assert isinstance(first, DTensor) and first.placements == live.placements and first.shape == live.shape
+        live.to_local().add_(1.0)
+        assert torch.equal(first.to_local(), torch.arange(6.0).reshape(3, 2)), "the staged copy followed the live one"
+        second = stager.stage({"model": {"w": live}})["model"]["w"]
+        assert second.to_local().data_ptr() == first.to_local().data_ptr(), "buffer reused"
+        assert torch.equal(second.full_tensor(), live.full_tensor())
+    finally:
+        tdist.destroy_process_group()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import typing
 from pathlib import Path
@@ -12,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from elastictrain.core.config import Config, load_config
-from elastictrain.core.config_errors import RENAMED_KEYS, _model_at
+from elastictrain.core.config_errors import _model_at
 from elastictrain.core.errors import ConfigError
 from tests.conftest import python_command
 
@@ -86,7 +85,6 @@ def test_unreadable_files_are_clear(tmp_path):
         (["task.factory=no_such_module:build"], "cannot import 'no_such_module'"),
         (["task.factory=elastictrain.train.tasks.spirals:nope"], "has no function 'nope'"),
         (["task.args.no_such_arg=1"], "task.args do not fit elastictrain.train.tasks.spirals:build"),
-        (["snapshot.local_url=/dev/shm"], "unknown key 'snapshot.local_url' (renamed: use 'snapshot.local.url')"),
     ],
 )
 def test_cli_prints_one_line_and_exits_non_zero_without_traceback(tmp_path, args, expected):
@@ -125,26 +123,6 @@ def test_storage_options_are_refused_only_where_fsspec_would_ignore_them(url, lo
     else:
         assert load_config(None, overrides).snapshot.durable.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
     assert load_config(None, overrides[1:]).snapshot.durable.storage_options == {}  # no options: any URL
-
-
-@pytest.mark.parametrize("old, new", sorted(RENAMED_KEYS.items()))
-def test_a_key_from_before_the_tier_sections_is_refused_naming_its_new_key(tmp_path, old, new):
-    section, key = new.rsplit(".", 1)
-    assert key in _model_at(section.split("."), Config).model_fields
-    value = load_config().model_dump()
-    for part in new.split("."):
-        value = value[part]
-    as_text = json.dumps(value)  # JSON is YAML: the default's value, valid under the new key
-    assert load_config(None, [f"{new}={as_text}"]) == load_config()
-    refusal = f"unknown key '{old}' (renamed: use '{new}')"
-    with pytest.raises(ConfigError) as caught:
-        load_config(None, [f"{old}={as_text}"])
-    assert str(caught.value) == f"invalid config (defaults + overrides): {refusal}"
-    path = tmp_path / "old.yaml"  # the same key in a YAML file
-    path.write_text(yaml.safe_dump({"snapshot": {old.split(".", 1)[1]: value}}))
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert str(caught.value) == f"invalid config ({path}): {refusal}"
 
 
 # Floats that are not durations; every other float key is one, in seconds, and its name ends in _s.

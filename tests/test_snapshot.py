@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from elastictrain.core.errors import SnapshotError
+from elastictrain.core.rng import capture_rng, restore_rng
 from elastictrain.core.progress import History, Progress
 from elastictrain.snapshot.format import load_model_weights, load_object, params_sha256, save_object
-from elastictrain.core.rng import capture_rng, restore_rng
 
 
 def draws():

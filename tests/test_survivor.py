@@ -22,11 +22,12 @@ from elastictrain.core.config import load_config
 from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums
+from elastictrain.core.rng import capture_rng_compact, restore_rng, rng_from_compact
 from elastictrain.core.progress import History, Progress
 from elastictrain.snapshot.format import load_object
 from elastictrain.snapshot.snapshotter import Snapshotter
 from elastictrain.storage.snapshot_store import SnapshotStore
-from elastictrain.snapshot.survivor import StepSlots, SurvivorCopies, _rng_bytes, _rng_from_bytes
+from elastictrain.snapshot.survivor import StepSlots, SurvivorCopies
 
 CPU = torch.device("cpu")
 
@@ -107,11 +108,9 @@ def test_sums_taken_at_another_world_size_go_to_rank_0_and_every_rank_holds_a_st
 
 def test_rng_states_survive_the_slot_form_exactly():
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
-    saved = _rng_from_bytes(_rng_bytes(CPU))
+    saved = rng_from_compact(capture_rng_compact(CPU))
     expected = (random.random(), np.random.rand(), torch.rand(3))
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    from elastictrain.core.rng import restore_rng
-
     restore_rng(saved, CPU)
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
 
@@ -146,7 +145,7 @@ class Node:
                    seed: int = 1234) -> None:
         torch.manual_seed(seed)  # the peer's RNG: another stream than this rank's
         sums = {"train_sums": {"names": ["loss"], "values": [3.0, 5.0], "samples": [2, 4]}}
-        self.peer.write({"step": step, "records": records, "round": round_id, "rng": _rng_bytes(CPU),
+        self.peer.write({"step": step, "records": records, "round": round_id, "rng": capture_rng_compact(CPU),
                          "rank_state": sums if readable else None})
 
     def write(self):
@@ -172,7 +171,7 @@ def test_the_copy_holds_the_survivors_model_and_every_ranks_rng_and_metric_sums(
     node.at(7, records=1)
     node.copies.mark(CPU)
     node.peer_marks(7, records=1)
-    peer_rng = _rng_from_bytes(node.peer.read(1)["rng"])["torch"]
+    peer_rng = rng_from_compact(node.peer.read(1)["rng"])["torch"]
     with torch.no_grad():  # forward and backward of step 8 change no weights; the optimizer step never came
         node.model.weight.grad = torch.ones_like(node.model.weight)
 
@@ -197,7 +196,7 @@ def test_a_survivor_whose_all_reduce_broke_copies_the_step_before_from_each_slot
     node.copies.mark(CPU)
     own_rng_at_6 = torch.get_rng_state()
     node.peer_marks(6, records=1, seed=66)
-    peer_rng_at_6 = _rng_from_bytes(node.peer.read(1)["rng"])["torch"]
+    peer_rng_at_6 = rng_from_compact(node.peer.read(1)["rng"])["torch"]
     torch.rand(3)  # this rank's forward of step 7 drew numbers
     node.copies.mark(CPU, step=7)
     node.peer_marks(7, records=1, seed=77)

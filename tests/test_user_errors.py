@@ -338,3 +338,16 @@ def test_a_step_after_too_few_micro_batches_names_the_elastic_policy_when_it_cho
                               "(session.grad_accum_steps): call step() once per optimizer step")
     assert ("train.on_world_size_change=keep_global_batch): iterate loader.steps()" in message and
             "or set train.on_world_size_change=keep_rank_batch" in message) == hint, message
+
+
+@pytest.mark.parametrize("exc, limit, kind, line", [
+    (ValueError("a\n  b\tc"), None, False, "a b c"),
+    (ValueError("a\n  b\tc"), None, True, "ValueError: a b c"),
+    (KeyError(), None, False, "KeyError: no message"),
+    (OSError("x" * 20), 10, False, "xxxxxxx..."),
+    (OSError("x" * 10), 10, True, "OSError: xxxxxxxxxx"),
+])
+def test_an_exception_is_said_in_one_line(exc, limit, kind, line):
+    from elastictrain.core.errors import one_line
+
+    assert one_line(exc, limit, kind=kind) == line

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from elastictrain.launcher.warmstart import DEFAULT_PRELOAD, Target, fork_hazard, parse, server_pids, server_prefix
+from elastictrain.launcher.warmstart import DEFAULT_PRELOAD, Target, fork_hazard, parse, server_prefix
 from tests.conftest import REPO_ROOT, job_env, parse_job
 from tests.helpers import procs
 from tests.helpers.jobs import TIMEOUT_S, launch_job, start_steps
@@ -159,7 +159,7 @@ def test_a_preload_that_fails_or_starts_a_thread_forks_no_server_and_the_script_
     assert ended.returncode == 5, ended.stderr
     assert ended.stdout == "argv ['a'] name __main__\n"
     assert ended.stderr == f"elastictrain.launcher.warmstart: {said}\n"
-    assert server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*"))
+    assert procs.warm_server_pids(os.getpid()) == [] and not glob.glob(str(tmp_path / "elastictrain-warm-*"))
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> float:
@@ -181,7 +181,7 @@ def test_every_way_a_warm_worker_ends_restarts_warm_and_the_run_stays_bitwise(tm
     marker = lambda rank, call: tmp_path / "trace" / f"paused-rank{rank}-call{call}.pid"  # noqa: E731
 
     cold = int(procs.wait_for_file(marker(1, 30), TIMEOUT_S, job))
-    seen_servers = set(server_pids(job.proc.pid))
+    seen_servers = set(procs.warm_server_pids(job.proc.pid))
     assert cold == procs.torchrun_worker(job.proc.pid, 1), "the first attempt runs cold: the worker is torchrun's"
     os.kill(cold, signal.SIGKILL)
 

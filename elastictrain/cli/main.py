@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterator, NoReturn
 import yaml
 
 from elastictrain.core.config import load_config
-from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost
-from elastictrain.core.fatal import claim_line, marker_path
+from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line
+from elastictrain.core.excepthook import say_user_error
+from elastictrain.core.fatal import marker_path
 from elastictrain.core.logs import flush_standard_streams
 
 SNAPSHOT_URL_HELP = "snapshot store: a local path or any fsspec URL (memory://, s3://bucket/run, ...)"
@@ -32,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ElastictrainError as exc:
-        if claim_line(exc):  # under torchrun: once per node, not once per rank and attempt
-            print(f"elastictrain: error: {exc}", file=sys.stderr)
+        say_user_error(exc)
         if isinstance(exc, PeerLost):
             _leave_now(exc.exit_code)
         return exc.exit_code
@@ -182,7 +182,7 @@ def storage_options(pairs: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--storage-option {key}: value {text!r} is not valid YAML ({' '.join(str(exc).split())})") from None
+            raise ConfigError(f"--storage-option {key}: value {text!r} is not valid YAML ({one_line(exc)})") from None
         *parents, leaf = key.strip().split(".")
         node = options
         for part in parents:
@@ -220,7 +220,7 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
         trainer = Trainer.from_config(cfg)
     except ConfigError as exc:
         # Before the Trainer exists; under torchrun every restart would fail the same way. Where
-        # torchrun's run directory can hold the marker (fatal.py), main()'s claim_line records it:
+        # torchrun's run directory can hold the marker (fatal.py), main()'s say_user_error records it:
         # no store, no torch.
         if marker_path() is None:
             from elastictrain.dist.group import stop_repeating

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastictrain.core.errors import ElastictrainError, SnapshotError, StorageError
+from elastictrain.core.errors import ElastictrainError, SnapshotError, StorageError, one_line
 from elastictrain.storage.manifest import MANIFEST_NAME, Manifest, SnapshotListing
 from elastictrain.observe.plots import attempt_markers, write_plots
 from elastictrain.storage.snapshot_store import SnapshotStore
@@ -28,7 +28,7 @@ def open_store(url: str, storage_options: dict[str, Any]) -> tuple[SnapshotStore
     except ElastictrainError:
         raise
     except Exception as exc:  # e.g. botocore's NoCredentialsError is no OSError; the fix is the user's either way
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        reason = one_line(exc, kind=True)
         raise StorageError(f"cannot list {url} ({reason}); check the URL, --storage-option and AWS_* credentials") from None
     if not exists:
         raise StorageError(f"no such location: {url}")
@@ -165,7 +165,7 @@ def _weights(store: SnapshotStore, manifest: Manifest, payload: dict[str, bytes]
     try:
         return consolidated_model(store.prefix_url(manifest.step), store.client.options)
     except Exception as exc:  # noqa: BLE001 - a shard DCP cannot read: one line, the snapshot is left as it is
-        raise SnapshotError(f"{where}: its shards cannot be read ({' '.join(str(exc).split())[:300]})") from None
+        raise SnapshotError(f"{where}: its shards cannot be read ({one_line(exc, 300)})") from None
 
 
 def show_document(store: SnapshotStore, listings: list[SnapshotListing], step: int | None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from elastictrain.core.config_errors import describe, yaml_problem
-from elastictrain.core.errors import ConfigError
+from elastictrain.core.errors import ConfigError, one_line
 
 DEFAULT_TASK_FACTORY = "elastictrain.train.tasks.spirals:build"
 
@@ -435,7 +435,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
         raise ConfigError(f"config file {path} cannot be read ({reason}); pass a readable YAML file") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {one_line(exc)}") from None
     if data is None:  # trained on the defaults silently, the file's purpose unmet: say so
         raise ConfigError(f"config file {path} is empty (no keys); write the keys to change in it (run:, train:, ...), "
                           "or pass no config file to train on the defaults")

@@ -1,8 +1,7 @@
 """A config error in one sentence: which key, what was wrong, what is expected, or what was meant.
 
 pydantic's errors name locations inside union members and say "Extra inputs are not permitted";
-users need the dotted key, the expected type with its bounds, the closest valid key, and for a key
-renamed before release, its new name.
+users need the dotted key, the expected type with its bounds, and the closest valid key.
 """
 
 from __future__ import annotations
@@ -13,20 +12,6 @@ from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel
-
-# Keys renamed when the tiers got a section each (and durations one unit style, *_s): a config
-# that still sets one is refused with a message naming its new key.
-RENAMED_KEYS = {
-    **{f"snapshot.{key}": f"snapshot.durable.{key}" for key in (
-        "url", "every_steps", "keep_last", "on_done", "async_write", "storage_options", "on_error", "retry_for_s",
-        "lease_stale_after_s")},
-    "snapshot.every_seconds": "snapshot.durable.every_s",
-    **{f"snapshot.local_{key}": f"snapshot.local.{key}" for key in (
-        "url", "every_steps", "mtbf_prior_s", "keep_last", "async_write")},
-    "snapshot.local_every_seconds": "snapshot.local.every_s",
-    "snapshot.survivor_copies": "snapshot.local.survivor_copies",
-}
-
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's error in one short phrase: what it was parsing, what went wrong, and at which column."""
@@ -47,8 +32,6 @@ def describe(error: dict[str, Any], root: type[BaseModel]) -> str:
     key = ".".join(path)
     if len(path) < len(loc):  # the loc went on into union members: name the key, not the member
         return f"'{key}' = {error.get('input')!r} is invalid ({_expected_type(path, root)})"
-    if kind == "extra_forbidden" and key in RENAMED_KEYS:
-        return f"unknown key '{key}' (renamed: use '{RENAMED_KEYS[key]}')"
     if kind == "extra_forbidden":
         valid = _fields_at(path[:-1], root)
         in_seconds = path[-1].replace("_seconds", "_s")  # every duration key ends in _s

@@ -98,6 +98,20 @@ TRACEBACK_ENV = "ELASTICTRAIN_TRACEBACK"
 LOGGED = "_elastictrain_logged"  # on a bug's exception: its traceback is in the log already (failures.py)
 
 
+def one_line(exc: BaseException, limit: int | None = None, kind: bool = False) -> str:
+    """``exc`` said in one line: its message with white space folded, cut to ``limit`` characters (ending "...").
+
+    With ``kind``, or when the message is empty, the line starts with the exception's class name.
+    The one place an exception becomes a line of a message; a user error's own line is its message.
+    """
+    text = " ".join(str(exc).split())
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 3] + "..."
+    if kind or not text:
+        return f"{type(exc).__name__}: {text or 'no message'}"
+    return text
+
+
 def tracebacks_wanted() -> bool:
     """True when ``ELASTICTRAIN_TRACEBACK`` is set (not empty or 0): user errors keep their traceback."""
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")

@@ -31,13 +31,19 @@ def _exit_if_said(exc: BaseException) -> None:
     if isinstance(exc, ElastictrainError) and not tracebacks_wanted():
         with contextlib.suppress(OSError, ValueError):  # a closed stdout must not hide the message
             sys.stdout.flush()  # what the script printed comes first, as with a traceback
-        if claim_line(exc):  # under torchrun: once per node, not once per rank and attempt
-            print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
+        say_user_error(exc)
         # CPython exits with this code when an excepthook raises SystemExit, so a script's
         # config error ends with 2, as on the command line.
         raise SystemExit(exc.exit_code)
     if getattr(exc, LOGGED, False):  # a bug whose traceback the rank that had it logged: once is enough
         raise SystemExit(1)
+
+
+def say_user_error(exc: ElastictrainError) -> None:
+    """Print ``elastictrain: error: <message>`` on stderr: the one line a user error is, said once per node under
+    torchrun (fatal.py), not once per rank and attempt."""
+    if claim_line(exc):
+        print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
 
 
 def keep_excepthook_outermost() -> None:

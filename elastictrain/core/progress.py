@@ -35,7 +35,7 @@ class Progress:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(state_dict.get(f.name, f.default)))  # a newer counter is absent from older snapshots
+            setattr(self, f.name, int(state_dict[f.name]))
 
 
 @dataclass

@@ -67,7 +67,7 @@ def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, save
     per_rank_step = train.batch_size * world_size
     configured = Fit(train.grad_accum_steps, per_rank_step * train.grad_accum_steps)
     if saved.global_batch is None or saved.configured != (train.batch_size, train.grad_accum_steps):
-        return configured  # a fresh start, an older snapshot, or a batch config changed on purpose
+        return configured  # a fresh start, or a batch config changed on purpose
     change = f"world size {saved_world_size} -> {world_size}"
     world_changed = saved_world_size != world_size
     if train.on_world_size_change == "keep_rank_batch":

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from elastictrain.core.rng import KeptCpuRng, seed_cpu_rng
+
 log = logging.getLogger("elastictrain")
 
 _MASK = (1 << 64) - 1
@@ -46,26 +48,6 @@ def _mix(value: int) -> int:
 def sample_seed(seed: int, index: int) -> int:
     """The 64-bit seed of sample ``index`` under a loader seeded with ``seed``."""
     return _mix(_mix(seed & _MASK) ^ (index & _MASK))
-
-
-def seed_global_rngs(seed: int) -> None:
-    # torch.default_generator, not torch.manual_seed: that also seeds every CUDA device, whose
-    # streams drive the training process's dropout on a GPU.
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed >> 32)
-
-
-class _SavedRngs:
-    """The training process's global CPU streams, put back as they were on exit."""
-
-    def __enter__(self) -> None:
-        self.torch, self.random, self.numpy = torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.set_rng_state(self.torch)
-        random.setstate(self.random)
-        np.random.set_state(self.numpy)
 
 
 class SeededSamples(Dataset):
@@ -94,13 +76,13 @@ class SeededSamples(Dataset):
             return self._fetch(indices)
         if not self.in_process:  # the training process's streams, saved in every snapshot
             return [self.dataset[index] for index in indices]
-        with _SavedRngs():
+        with KeptCpuRng():
             return self._fetch(indices)
 
     def _fetch(self, indices: list[int]) -> list[Any]:
         samples = []
         for index in indices:
-            seed_global_rngs(sample_seed(self.seed, index))
+            seed_cpu_rng(sample_seed(self.seed, index))
             samples.append(self.dataset[index])
         return samples
 

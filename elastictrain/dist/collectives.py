@@ -8,7 +8,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastictrain.core import errors
 from elastictrain.dist.group import DistContext
+from elastictrain.core.errors import ElastictrainError
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -100,3 +102,34 @@ def broadcast_from_main(obj: Any, ctx: DistContext, src: int = 0, group: Any = N
     device = ctx.device if ctx.backend == "nccl" and group is None else None
     dist.broadcast_object_list(holder, src=src, device=device, group=group)
     return holder[0]
+
+
+CarriedError = tuple[str, str]  # a user error sent to other ranks: (its class's name in errors.py, its message)
+
+
+def carried(exc: ElastictrainError) -> CarriedError:
+    """``exc`` in a form another rank can receive and raise again (``raise_carried``)."""
+    return type(exc).__name__, str(exc)
+
+
+def raise_carried(error: CarriedError | None) -> None:
+    """Raise the error another rank ``carried``, of the same class and message (nothing if None)."""
+    if error is not None:
+        raise getattr(errors, error[0], ElastictrainError)(error[1])
+
+
+def main_acts(act: Callable[[], Any], ctx: DistContext) -> Any:
+    """Rank 0 runs ``act()``; every rank returns its result, or raises the user error (ElastictrainError) it raised.
+
+    One rank's user error becomes every rank's same one line. Any other exception is a bug: it
+    keeps its traceback on rank 0 (the others are stopped by the run's hang and peer-loss checks).
+    """
+    result, error = None, None
+    if ctx.is_main:
+        try:
+            result = act()
+        except ElastictrainError as exc:
+            error = carried(exc)
+    result, error = broadcast_from_main((result, error), ctx)
+    raise_carried(error)
+    return result

@@ -18,7 +18,7 @@ import torch
 
 from elastictrain.dist import group as dist
 from elastictrain.core.errors import (
-    LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError,
+    LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, one_line,
 )
 from elastictrain.core.fatal import claim_line
 from elastictrain.core.repeats import record_crash
@@ -57,7 +57,7 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
         first = record_crash(exc, step)
         if first is not None:
             repeated = RepeatedCrash(
-                f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} again in state {state} at step {step}, as in "
+                f"{one_line(exc, 300, kind=True)} again in state {state} at step {step}, as in "
                 f"attempt {first.restart} on rank {first.rank} (its traceback is above): a restart replays the same "
                 "steps, so this is a bug to fix, not a fault; no more restarts, every snapshot is kept")
             if claim_line(repeated):

@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from elastictrain.core import determinism
 from elastictrain.core.config import DistConfig
-from elastictrain.core.errors import ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError
+from elastictrain.core.errors import (
+    ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError, one_line,
+)
 from elastictrain.core.excepthook import keep_excepthook_outermost
 from elastictrain.launcher.launch_env import LaunchEnv, detect_launch_env
 from elastictrain.dist.rounds import agree_on_round
@@ -137,7 +139,7 @@ def _connect_store(env: LaunchEnv, cfg: DistConfig) -> Any:
     except (RuntimeError, OSError) as exc:
         raise DistributedSetupError(
             f"rank {env.rank} cannot reach the rendezvous store at {env.master_addr}:{env.master_port} "
-            f"within {cfg.init_timeout_s:g}s ({' '.join(str(exc).split())[:200]}); check MASTER_ADDR/MASTER_PORT "
+            f"within {cfg.init_timeout_s:g}s ({one_line(exc, 200)}); check MASTER_ADDR/MASTER_PORT "
             "and that the port is free and reachable"
         ) from None
     return base

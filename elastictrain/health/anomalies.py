@@ -379,9 +379,6 @@ class Anomalies:
     def replayed_samples(self) -> list[int] | None:
         return self._replayed_samples
 
-    def wants_samples(self, step: int) -> bool:
-        return self._skipped_now is not None or self.replaying == step
-
     # -- helpers ------------------------------------------------------------------------------
 
     def _hosts(self, ranks: Iterable[int]) -> list[str]:

@@ -39,7 +39,6 @@ fresh interpreter would be.
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import importlib
 import json
@@ -227,7 +226,7 @@ def _start_server(base: str, target: Target) -> object:
             os.dup2(devnull, 1)  # stderr stays until it listens: a failure says so in the job's log
             os.close(devnull)
             os.ftruncate(lock_fd, 0)
-            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)  # server_pids() reads it
+            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)  # who holds the server's name: its pid, for tools (tests/helpers/procs.py)
             job = serve(base, lock_fd, agent_fd)
         except BaseException:  # noqa: BLE001 - never run on as a second copy of the worker; a bug keeps its traceback
             import traceback  # only here: the thin client starts in milliseconds
@@ -275,22 +274,6 @@ def preload(names: tuple[str, ...]) -> bool:
         except Exception as error:  # noqa: BLE001 - a probe that fails here fails in the child too, and says so there
             say(f"warming up MKL's report failed ({type(error).__name__}: {error})")
     return True
-
-
-def server_pids(agent_pid: int) -> list[int]:
-    """The live warm-start servers of this user and torchrun agent: each writes its pid into its lock file."""
-    found = []
-    for lock in glob.glob(glob.escape(server_prefix(agent_pid)) + "*.lock"):
-        try:
-            with open(lock) as lock_file:
-                pid = int(lock_file.read() or 0)
-            with open(f"/proc/{pid}/stat") as stat_file:
-                alive = pid > 0 and stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, ValueError):
-            continue
-        if alive:
-            found.append(pid)
-    return sorted(found)
 
 
 def _run_warm(connection: socket.socket, target: Target) -> None:

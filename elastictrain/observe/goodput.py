@@ -139,8 +139,7 @@ class Goodput(Observer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict["seconds_by_cause"]
         with self._lock:
-            # Causes a newer version added are 0 in an older snapshot.
-            self._restored_seconds = {cause: float(saved.get(cause, 0.0)) for cause in CAUSES}
+            self._restored_seconds = {cause: float(saved[cause]) for cause in CAUSES}
 
     # -- internals --------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from elastictrain.core.errors import StorageError
 from elastictrain.snapshot.fast_shards import METADATA, origin_rank
-from elastictrain.storage.manifest import CHECKSUMS, Manifest
+from elastictrain.storage.hashing import checksum_stream, mismatch
+from elastictrain.storage.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.format import STATE_OBJECT
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastictrain")
 
-_CHUNK = 8 << 20
 CopyKey = tuple[int, str]  # (step, the checksum of its DCP .metadata): one save of one step
 
 
@@ -184,18 +184,11 @@ class FastShardRestore:
             return handle.read()
 
 
-def _problem(path: str, entry: Any) -> str | None:
+def _problem(path: str, entry: ObjectEntry) -> str | None:
     """Why the file at ``path`` does not match its manifest entry, or None."""
-    hasher, size = CHECKSUMS[entry.algorithm](), 0
     try:
         with open(path, "rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
+            found = checksum_stream(handle, entry.algorithm)
     except OSError as exc:
         return f"unreadable ({exc})"
-    if size != entry.size:
-        return f"size mismatch (manifest says {entry.size} bytes, found {size})"
-    if hasher.hexdigest() != entry.digest:
-        return f"{entry.algorithm} mismatch (manifest says {entry.digest}, found {hasher.hexdigest()})"
-    return None
+    return mismatch(entry, found)

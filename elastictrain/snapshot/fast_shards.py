@@ -28,7 +28,8 @@ import torch.distributed as dist
 from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main
 from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import StorageError
-from elastictrain.storage.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+from elastictrain.storage.hashing import checksum_bytes
+from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.snapshot.sharded import ShardedState
 from elastictrain.storage.snapshot_store import SnapshotStore
 
@@ -115,7 +116,7 @@ class FastShards:
             metadata = {METADATA: _read(prefix, METADATA)} if self.ctx.is_main else {}
         except OSError as exc:
             own, metadata, error = {}, {}, f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
-        held = {name: _entry(data) for name, data in {**own, **metadata}.items()}
+        held = {name: checksum_bytes(data) for name, data in {**own, **metadata}.items()}
         # DCP's coordinator (rank 0) wrote .metadata on its node alone; every other node's writer keeps its bytes too.
         sent = broadcast_bytes_from_main(metadata if self.ctx.is_main else None, self.ctx).get(METADATA)
         if is_writer and node != nodes[0] and error is None:
@@ -175,8 +176,5 @@ def _write(prefix: str, name: str, data: bytes) -> tuple[str | None, ObjectEntry
             os.fsync(handle.fileno())
     except OSError as exc:
         return f"{name} could not be written into {prefix}: {exc}", None
-    return None, _entry(data)
+    return None, checksum_bytes(data)
 
-
-def _entry(data: bytes) -> ObjectEntry:
-    return ObjectEntry(size=len(data), algorithm=CHECKSUM, digest=CHECKSUMS[CHECKSUM](data).hexdigest())

@@ -15,7 +15,7 @@ import pickle
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Callable
 
 import torch
 from torch import nn
@@ -28,11 +28,6 @@ MODEL_OBJECT = "model.pt"
 STATE_OBJECT = "state.pt"
 
 
-@runtime_checkable
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 # torch.save's per-record CRC-32 cost ~57 ms of a ~60 ms save of a 200 MB state (zlib's crc32 at

@@ -16,17 +16,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
-from elastictrain.core import errors
 from elastictrain.snapshot import fast_restore
 from elastictrain.snapshot.fast_restore import NodeTier
-from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
+from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main, main_acts
 from elastictrain.core.errors import ConfigError, ElastictrainError, SnapshotError
 from elastictrain.storage.manifest import Manifest
 from elastictrain.snapshot.resume_checks import (
     check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters,
 )
-from elastictrain.snapshot.format import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object
 from elastictrain.core.rng import restore_rng, seed_rng
+from elastictrain.snapshot.format import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object
 
 if TYPE_CHECKING:
     from torch import nn
@@ -96,29 +95,28 @@ def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str
                                                     durable.ctx))
         shard_copy = fast_restore.choose(shard_offers) if fast.sharded is not None else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
-    found, error = None, None
-    if durable.ctx.is_main:
-        try:
-            if rollback and newest_local >= 0 and (durable.last_committed or (-1,))[0] <= newest_local:
-                # This process wrote the durable store's newest (its writes are finished): a fast copy as new is
-                # enough, and the store, which may not answer now, need not be read for a transient fault to heal.
-                pass
-            elif resume:
-                found = durable.store.latest_valid(newer_than=newest_local)
-                if found is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
-                    committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]
-                    durable.last_committed = (committed[-1].step, committed[-1].created_unix) if committed else None
-            elif durable.store.list_snapshots():
-                # A fresh run writing beside another run's snapshots would mix the two.
-                raise SnapshotError(
-                    f"snapshot.resume=false but {durable.store.url} already holds snapshots; "
-                    f"{start_fresh_advice(durable.cfg)}, or remove them — nothing was deleted"
-                )
-        except ElastictrainError as exc:
-            error = (type(exc).__name__, str(exc))
-    manifest, error = broadcast_from_main((found[0] if found else None, error), durable.ctx)
-    if error is not None:
-        raise getattr(errors, error[0], ElastictrainError)(error[1])
+    read: dict[str, Any] = {}  # rank 0: the durable snapshot it read, (manifest, payload), when newer than the fast copies
+
+    def newest_durable() -> Manifest | None:
+        if rollback and newest_local >= 0 and (durable.last_committed or (-1,))[0] <= newest_local:
+            # This process wrote the durable store's newest (its writes are finished): a fast copy as new is
+            # enough, and the store, which may not answer now, need not be read for a transient fault to heal.
+            pass
+        elif resume:
+            read["found"] = durable.store.latest_valid(newer_than=newest_local)
+            if read["found"] is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
+                committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]
+                durable.last_committed = (committed[-1].step, committed[-1].created_unix) if committed else None
+        elif durable.store.list_snapshots():
+            # A fresh run writing beside another run's snapshots would mix the two.
+            raise SnapshotError(
+                f"snapshot.resume=false but {durable.store.url} already holds snapshots; "
+                f"{start_fresh_advice(durable.cfg)}, or remove them — nothing was deleted"
+            )
+        return read["found"][0] if read.get("found") else None
+
+    manifest = main_acts(newest_durable, durable.ctx)
+    found = read.get("found")
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
         local_found = None  # an older fast copy read here: not held while the durable one arrives
         # A sharded snapshot's shards stay where they are: every rank reads its own part of them (sharded.py).
@@ -225,8 +223,8 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
     progress = target.statefuls["progress"]
     saved_env = state["env"]
     for name, component in target.rank_statefuls.items():
-        saved_ranks = state.get("rank_states", {}).get(name)
-        if saved_ranks is None:  # an older snapshot: it reduced its metric sums when it was taken
+        saved_ranks = state["rank_states"].get(name)
+        if saved_ranks is None:  # the run saved has no such per-rank state (its data was of another kind)
             continue
         if saved_env["world_size"] != target.ctx.world_size and hasattr(component, "load_resharded"):
             component.load_resharded(saved_ranks, target.ctx.rank)

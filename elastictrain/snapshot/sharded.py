@@ -27,18 +27,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from elastictrain.core.config import is_local_url
-from elastictrain.core.errors import SnapshotError, StorageError
-from elastictrain.storage.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+from elastictrain.core.errors import SnapshotError, StorageError, one_line
+from elastictrain.storage.hashing import checksum_stream
+from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.snapshot.format import tensors_in
+from elastictrain.snapshot.staging import Stager
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
-_CHUNK = 8 << 20
 # What DCP's save and load warn every time they run without a process group. A run of one worker has
 # none (elastictrain forms no group for one process), and one process is exactly what it means.
 _SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
@@ -62,7 +62,7 @@ class ShardedState:
         self.model = model
         self.optimizers = optimizers
         self.storage_options = storage_options or {}
-        self._staged: dict[str, Any] | None = None  # async_write: this rank's shards staged on the CPU (stage)
+        self._stager = Stager()  # async_write: this rank's shards staged on the CPU (stage), buffers reused
 
     def _state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizers)
@@ -71,10 +71,7 @@ class ShardedState:
     def stage(self) -> dict[str, Any]:
         """This rank's shards copied out of the live model and optimizers (``snapshot.durable.async_write``): what a
         writer thread saves while training changes the originals."""
-        state = self._state()
-        if self._staged is None:  # CPU buffers made once, reused by every snapshot (DCP's async_save stages alike)
-            self._staged = _create_cpu_state_dict(state)
-        return _copy_state_dict(state, self._staged)
+        return self._stager.stage(self._state())
 
     def save(self, url: str, rank: int, world_size: int, step: int, staged: dict[str, Any] | None = None,
              group: Any = None) -> dict[str, ObjectEntry]:
@@ -86,7 +83,7 @@ class ShardedState:
             return {name: self.checksum(url, name) for name in [*files, ".metadata"][rank::world_size]}
         except OSError as exc:
             raise StorageError(f"the sharded snapshot of step {step} could not be read back from {url} "
-                               f"({_one_line(exc)}) — the previous snapshot is intact") from None
+                               f"({one_line(exc, 400)}) — the previous snapshot is intact") from None
 
     def write(self, url: str, step: int, staged: dict[str, Any] | None = None, group: Any = None) -> list[str]:
         """Every rank: write this rank's shards under ``url`` (DCP's collective save; the coordinator writes
@@ -97,7 +94,7 @@ class ShardedState:
                                 process_group=group)
             return sorted({info.relative_path for info in metadata.storage_data.values()})
         except (OSError, dcp.api.CheckpointException) as exc:
-            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({_one_line(exc)}); "
+            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({one_line(exc, 400)}); "
                                "check free space and permissions — the previous snapshot is intact") from None
 
     def local_bytes(self) -> int:
@@ -112,7 +109,7 @@ class ShardedState:
         try:
             dcp.load(state, storage_reader=self._reader(url))
         except (OSError, dcp.api.CheckpointException, RuntimeError) as exc:
-            raise SnapshotError(f"{where}: its shards do not load into this model ({_one_line(exc)}); resume with the "
+            raise SnapshotError(f"{where}: its shards do not load into this model ({one_line(exc, 400)}); resume with the "
                                 "model that took it, or point snapshot.durable.url elsewhere to start fresh") from None
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -132,12 +129,8 @@ class ShardedState:
         """The size and checksum of the file ``name`` under ``url``, read back (DCP records none)."""
         import fsspec
 
-        hasher, size = CHECKSUMS[CHECKSUM](), 0
         with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **self.storage_options) as handle:
-            while chunk := handle.read(_CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-        return ObjectEntry(size=size, algorithm=CHECKSUM, digest=hasher.hexdigest())
+            return checksum_stream(handle)
 
 
 def consolidated_model(url: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
@@ -155,6 +148,3 @@ def consolidated_model(url: str, storage_options: dict | None = None) -> dict[st
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:400] or type(exc).__name__

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.core import errors, failpoints
+from elastictrain.core import failpoints
 from elastictrain.snapshot.background_write import BackgroundWrites
 from elastictrain.core.config import Config
-from elastictrain.dist.collectives import all_gather, broadcast_from_main, gather_to_main
+from elastictrain.dist.collectives import all_gather, broadcast_from_main, gather_to_main, main_acts, raise_carried
 from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ElastictrainError, StorageError, StorageUnavailable
 from elastictrain.core.events import SnapshotReport
@@ -43,10 +43,10 @@ from elastictrain.storage.manifest import Manifest
 from elastictrain.snapshot.restore import Restored, restore_newest
 from elastictrain.snapshot.sharded import SHARDED, ShardedState
 from elastictrain.snapshot.sharded_writes import ShardedWrites
+from elastictrain.core.rng import capture_rng
 from elastictrain.snapshot.format import (
     FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, save_object, tensors_in, writer_for,
 )
-from elastictrain.core.rng import capture_rng
 from elastictrain.snapshot.staging import Stager
 from elastictrain.storage.snapshot_store import SnapshotStore
 
@@ -129,19 +129,13 @@ class Snapshotter:
     def _open_store(self) -> str:
         """Rank 0 checks that the durable store is writable, takes its lease and reads the run's id; every rank
         returns the id, or raises rank 0's error."""
-        run_id, error = None, None
-        if self.ctx.is_main:
-            try:
-                self.store.check_writable()
-                self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
-                self._lease.start()
-                run_id = self.store.run_id()
-            except ElastictrainError as exc:
-                error = (type(exc).__name__, str(exc))
-        run_id, error = broadcast_from_main((run_id, error), self.ctx)
-        if error is not None:
-            raise getattr(errors, error[0], ElastictrainError)(error[1])
-        return run_id
+        def open_on_main() -> str:
+            self.store.check_writable()
+            self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
+            self._lease.start()
+            return self.store.run_id()
+
+        return main_acts(open_on_main, self.ctx)
 
     def join_run(self, run_id: str) -> str | None:
         """The fast tier, on every rank: keep this node's copies under the run's id (``SnapshotStore.run_id``).
@@ -260,7 +254,7 @@ class Snapshotter:
         if refusals:
             if self._writes.crash is not None:
                 raise self._writes.crash  # a bug in the writer keeps its traceback on its rank
-            raise getattr(errors, refusals[0][0])(refusals[0][1])
+            raise_carried(refusals[0])
         if self.fast_shards is not None:
             return self._save_node_copy(step, rank_states, meta, started)
         if not self.is_writer:

@@ -10,7 +10,11 @@ allocation, and resident memory stays flat over any number of snapshots.
 
 Leaves that are not tensors are deep-copied (numbers, strings, small dicts of counters). Tensors
 that share storage (tied weights) are staged twice: loading copies values into the live
-parameters, so the tie survives a restore.
+parameters, so the tie survives a restore. A ``DTensor`` (an FSDP shard) stages this rank's local
+part and keeps its global layout, so DCP saves the staged copy as it would the live one.
+
+The one stager of the package: replicated snapshots stage their state tree here and sharded ones
+their ``get_state_dict`` shards (``sharded.ShardedState.stage``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Path = tuple[Any, ...]
 
@@ -48,6 +53,10 @@ class Stager:
         return staged
 
     def _copy(self, node: Any, path: Path) -> Any:
+        if isinstance(node, DTensor):
+            # What torch's own CPU staging for DCP does: the local shard on the CPU under the same spec
+            # (DTensor.from_local would move it back to the mesh's device).
+            return DTensor(self._tensor(node.to_local(), path), node._spec, requires_grad=False)
         if isinstance(node, torch.Tensor):
             return self._tensor(node, path)
         if isinstance(node, dict):

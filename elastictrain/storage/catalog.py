@@ -15,7 +15,8 @@ import logging
 import time
 
 from elastictrain.core.errors import SnapshotError
-from elastictrain.storage.manifest import CHECKSUMS, MANIFEST_NAME, SNAPSHOT_ID, Manifest, SnapshotListing
+from elastictrain.storage.hashing import checksum_bytes, mismatch
+from elastictrain.storage.manifest import MANIFEST_NAME, SNAPSHOT_ID, Manifest, SnapshotListing
 from elastictrain.storage.store_client import StoreClient
 
 log = logging.getLogger("elastictrain.storage.snapshot_store")
@@ -99,15 +100,11 @@ class Catalog:
                 read_s += time.perf_counter() - started
                 if data is None:
                     raise SnapshotError(f"{corrupt}: object '{name}' is missing")
-                if len(data) != expected.size:
-                    raise SnapshotError(f"{corrupt}: object '{name}' size mismatch "
-                                        f"(manifest says {expected.size} bytes, found {len(data)})")
                 started = time.perf_counter()
-                actual = CHECKSUMS[expected.algorithm](data).hexdigest()
+                problem = mismatch(expected, checksum_bytes(data, expected.algorithm))
                 verify_s += time.perf_counter() - started
-                if actual != expected.digest:
-                    raise SnapshotError(f"{corrupt}: object '{name}' {expected.algorithm} mismatch "
-                                        f"(manifest says {expected.digest}, found {actual})")
+                if problem is not None:
+                    raise SnapshotError(f"{corrupt}: object '{name}' {problem}")
                 payload[name] = data
             log.info("read snapshot %s: %d bytes in %.3f s, verified (%s) in %.3f s", where,
                      sum(len(data) for data in payload.values()), read_s,

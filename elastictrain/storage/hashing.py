@@ -1,4 +1,9 @@
-"""The file a payload writer is given: bytes forwarded and checksummed on the way through, their time counted."""
+"""Payload checksums, the one place they are computed and compared against a manifest entry.
+
+``HashingWriter`` checksums bytes as a writer streams them (a commit); ``checksum_bytes`` and
+``checksum_stream`` checksum bytes in memory or read back from a file (DCP's shards, a node's
+copy); ``mismatch`` says why what was found is not what a manifest recorded.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,32 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
 from elastictrain.storage.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+
+
+_CHUNK = 8 << 20  # bytes read at a time when checksumming a file
+
+
+def checksum_bytes(data: bytes | memoryview, algorithm: str = CHECKSUM) -> ObjectEntry:
+    """The size and checksum of ``data``."""
+    return ObjectEntry(size=memoryview(data).nbytes, algorithm=algorithm, digest=CHECKSUMS[algorithm](data).hexdigest())
+
+
+def checksum_stream(handle: BinaryIO, algorithm: str = CHECKSUM) -> ObjectEntry:
+    """The size and checksum of what is left to read from ``handle``, read in chunks (OSError passes through)."""
+    hasher, size = CHECKSUMS[algorithm](), 0
+    while chunk := handle.read(_CHUNK):
+        hasher.update(chunk)
+        size += len(chunk)
+    return ObjectEntry(size=size, algorithm=algorithm, digest=hasher.hexdigest())
+
+
+def mismatch(expected: ObjectEntry, found: ObjectEntry) -> str | None:
+    """Why ``found`` is not the object a manifest recorded as ``expected`` (size first, then checksum), or None."""
+    if found.size != expected.size:
+        return f"size mismatch (manifest says {expected.size} bytes, found {found.size})"
+    if found.digest != expected.digest:
+        return f"{expected.algorithm} mismatch (manifest says {expected.digest}, found {found.digest})"
+    return None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from elastictrain.core.errors import SnapshotError
+from elastictrain.core.errors import SnapshotError, one_line
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2
@@ -94,7 +94,7 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(
-                f"manifest {where} lacks a field or has a malformed one ({type(exc).__name__}: {' '.join(str(exc).split())})"
+                f"manifest {where} lacks a field or has a malformed one ({one_line(exc, kind=True)})"
             ) from exc
         for name, entry in sorted(manifest.objects.items()):
             if entry.algorithm not in CHECKSUMS:

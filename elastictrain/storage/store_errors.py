@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from elastictrain.core import errors
 from elastictrain.core.config import REDACTED, redact_secrets
 
 S3_CONNECT_TIMEOUT_S = 5.0
@@ -44,10 +45,10 @@ _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "fs
 
 
 def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if not text and type(exc).__name__ == "FSTimeoutError":
-        text = "an attempt got no answer within its time limit"
-    return f"{type(exc).__name__}: {text or 'no message'}"
+    """A store's exception in one line, led by its class name (fsspec's timeout has no message of its own)."""
+    if type(exc).__name__ == "FSTimeoutError" and not str(exc).strip():
+        return "FSTimeoutError: an attempt got no answer within its time limit"
+    return errors.one_line(exc, kind=True)
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from elastictrain.core.config import TaskConfig, redact_secrets
 from elastictrain.data.sampling import check_dataset
-from elastictrain.core.errors import TRACEBACK_ENV, ConfigError, LossFnError, UsageError, tracebacks_wanted
+from elastictrain.core.errors import TRACEBACK_ENV, ConfigError, LossFnError, UsageError, one_line, tracebacks_wanted
 
 # loss_fn(model, batch) returns the mean loss over the batch, optionally with a dict of
 # per-batch means of other metrics: `loss` or `(loss, {"accuracy": acc})`.
@@ -186,11 +186,10 @@ def load_task(cfg: TaskConfig) -> Task:
     except (TypeError, ValueError) as exc:
         if tracebacks_wanted() or not _concerns_args(exc, cfg.args):
             raise
-        message = " ".join(str(exc).split())
-        message = message if len(message) <= 300 else message[:297] + "..."
+        message = one_line(exc, 300, kind=True)
         given = ", ".join(f"{name}={_short_repr(value)}" for name, value in redact_secrets(cfg.args).items())
         raise ConfigError(
-            f"task.args do not fit {cfg.factory} (given {given}): {type(exc).__name__}: {message}; "
+            f"task.args do not fit {cfg.factory} (given {given}): {message}; "
             f"fix task.args (for the traceback: {TRACEBACK_ENV}=1)"
         ) from None
     if not isinstance(task, Task):

@@ -31,8 +31,8 @@ from elastictrain.core.events import Observer
 from elastictrain.data.geometry import run_steps, scheduler_steps
 from elastictrain.dist.reduce import reduce_objects
 from elastictrain.train.session import RunSummary, Session
-from elastictrain.core.progress import Progress
 from elastictrain.core.rng import seed_rng
+from elastictrain.core.progress import Progress
 from elastictrain.core.states import State
 from elastictrain.train.step_runner import StepRunner
 from elastictrain.train.task import PendingScheduler, Task, load_task, split_loss

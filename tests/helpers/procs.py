@@ -14,6 +14,7 @@ signalled or reported while that start time still matches.
 from __future__ import annotations
 
 import atexit
+import glob
 import os
 import pathlib
 import signal
@@ -157,11 +158,28 @@ def ensure_none_running(script: pathlib.Path, context: str, grace_s: float = 5.0
         )
 
 
+def warm_server_pids(agent_pid: int) -> list[int]:
+    """The live warm-start servers of this user and torchrun agent: each writes its pid into its lock file
+    (``elastictrain.launcher.warmstart``; its server prefix names the files)."""
+    from elastictrain.launcher import warmstart
+
+    found = []
+    for lock in glob.glob(glob.escape(warmstart.server_prefix(agent_pid)) + "*.lock"):
+        try:
+            with open(lock) as lock_file:
+                pid = int(lock_file.read() or 0)
+            with open(f"/proc/{pid}/stat") as stat_file:
+                alive = pid > 0 and stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, ValueError):
+            continue
+        if alive:
+            found.append(pid)
+    return sorted(found)
+
+
 def warm_servers(agent_pid: int) -> list[int]:
     """The live warm-start servers of a torchrun agent and the workers they forked: none is a descendant of the agent."""
-    from elastictrain.launcher.warmstart import server_pids
-
-    servers = server_pids(agent_pid)
+    servers = warm_server_pids(agent_pid)
     return sorted({*servers, *(pid for server in servers for pid in descendants(server))})
 
 
@@ -265,11 +283,9 @@ class Launched:
         The tree is first frozen with SIGSTOP, repeating until a refresh finds no new pid, so
         no process can start a child between being seen and being killed.
         """
-        from elastictrain.launcher.warmstart import server_pids
-
         # A warm-start server is forked from a worker, so the search can adopt it in that moment; left alone, it
         # exits with its agent and removes its socket and lock file, which a SIGKILL would leave behind.
-        servers = set(server_pids(self.proc.pid))
+        servers = set(warm_server_pids(self.proc.pid))
         stopped: set[int] = set()
         while True:
             live = self.refresh() - servers
