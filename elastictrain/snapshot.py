@@ -162,6 +162,7 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
 
 
 def seed_rng(seed: int) -> None:
+    """Seed ``random``, ``numpy`` and ``torch`` from ``seed`` (``elastictrain.seed_everything``)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
