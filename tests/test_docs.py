@@ -157,6 +157,20 @@ def test_every_config_key_the_docs_name_exists():
     assert not unknown, f"config keys the docs name but the schema does not have: {unknown}"
 
 
+def test_the_api_reference_renders_every_public_name_from_its_docstring(site):
+    """docs/reference/api.md is rendered by mkdocstrings from the source: every name of `elastictrain.__all__` is on it,
+    an object by its own heading (an id mkdocstrings made from the module it is defined in), and each has its docstring."""
+    import elastictrain
+
+    page = (site / "reference" / "api" / "index.html").read_text()
+    ids = set(re.findall(r'\bid="(elastictrain\.[\w.]+)"', page))
+    source = (REPO_ROOT / "docs" / "reference" / "api.md").read_text()
+    missing = [name for name in elastictrain.__all__
+               if not any(i.rsplit(".", 1)[-1] == name for i in ids) and f"`elastictrain.{name}" not in source]
+    assert not missing, f"public names not on the API reference page: {missing}"
+    assert "One process's part of an elastictrain run." in html.unescape(re.sub(r"<[^>]+>", "", page))  # Session's docstring
+
+
 def test_readme_stays_a_front_door():
     lines = (REPO_ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/ (limit {README_MAX_LINES})"

@@ -5,14 +5,18 @@ the same command finishes: its params_sha256 equals the unbroken run's.
 
 The faulted runs go through tests/helpers/paused_example.py, which runs the example unchanged and
 pauses a rank inside a chosen step so that each signal lands there; the unbroken runs are the
-examples exactly as a user starts them.
+examples exactly as a user starts them. examples/first_job.py, docs/tutorial.md's job, is run in this
+process instead (no launcher): stopped, started again, and compared with an unbroken run.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import runpy
 import signal
+import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +75,26 @@ def test_the_port_page_shows_the_tutorial_example_as_it_is():
     assert shown == (REPO_ROOT / "examples" / "tutorial_trainer.py").read_text().splitlines(), (
         "the example changed: rebuild the page's diff with `diff -U 1000 --label 'tutorial (before)' --label "
         "examples/tutorial_trainer.py before.py examples/tutorial_trainer.py`, before.py being the page's old side")
+
+
+def run_first_job(monkeypatch, *overrides: str):
+    """docs/tutorial.md's script, run as it is in this process (no launcher, one rank); its session when it ended."""
+    monkeypatch.setattr(sys, "argv", ["first_job.py", *overrides])
+    return runpy.run_path(str(REPO_ROOT / "examples" / "first_job.py"), run_name="__main__")["session"]
+
+
+def test_the_tutorial_s_job_stopped_and_started_again_ends_bitwise_equal_to_an_unbroken_run(tmp_path, monkeypatch):
+    """The tutorial kills a worker of examples/first_job.py under torchrun; here, cheaply, the same script stops at step 3
+    (train.max_steps) and a second run of it resumes from that snapshot, in one process, to an unbroken run's weights."""
+    common = [f"run.dir={tmp_path / 'run'}", "train.max_epochs=1", "train.batch_size=256"]
+    unbroken = run_first_job(monkeypatch, *common, f"snapshot.durable.url=memory://first-job/{uuid.uuid4().hex}").summary
+    assert unbroken.state == "DONE" and unbroken.global_step == 2048 // 256
+    url = f"snapshot.durable.url=memory://first-job/{uuid.uuid4().hex}"
+    stopped = run_first_job(monkeypatch, *common, url, "train.max_steps=3").summary
+    assert stopped.state == "DONE" and stopped.global_step == 3
+    resumed = run_first_job(monkeypatch, *common, url).summary
+    assert resumed.attempts == 2 and resumed.global_step == unbroken.global_step
+    assert resumed.params_sha256 == unbroken.params_sha256
 
 
 def worker_lines(output: str) -> str:

@@ -265,6 +265,8 @@ class TrackConfig(_Section):
 
 
 class Config(_Section):
+    """The whole validated config, one section per attribute (``cfg.train.max_epochs``); build it with ``load_config``."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(factory=DEFAULT_TASK_FACTORY))
     train: TrainConfig = Field(default_factory=TrainConfig)

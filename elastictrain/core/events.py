@@ -72,19 +72,26 @@ class SnapshotReport:
 class Observer:
     """Base class with a no-op for every event; override the ones you need."""
 
-    def started(self, info: RunInfo) -> None: ...
+    def started(self, info: RunInfo) -> None:
+        """SETUP is done: who this worker is, the world size and the run's steps (``RunInfo``)."""
 
-    def transition(self, src: State, dst: State, step: int) -> None: ...
+    def transition(self, src: State, dst: State, step: int) -> None:
+        """The worker went from ``src`` to ``dst`` at ``step``."""
 
-    def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None: ...
+    def restored(self, step: int, duration_s: float, from_snapshot: bool) -> None:
+        """RESTORE finished at ``step`` in ``duration_s``; ``from_snapshot`` is False on a fresh start."""
 
-    def trained(self, interval: TrainInterval) -> None: ...
+    def trained(self, interval: TrainInterval) -> None:
+        """A logging interval's metrics, reduced across ranks (every ``train.log_every_steps``)."""
 
-    def evaluated(self, step: int, epoch: int, metrics: dict[str, float]) -> None: ...
+    def evaluated(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        """EVALUATE's metrics at ``step``, already reduced across ranks."""
 
-    def snapshotted(self, report: SnapshotReport) -> None: ...
+    def snapshotted(self, report: SnapshotReport) -> None:
+        """A snapshot of either tier was committed, or failed (``report.error``)."""
 
-    def preempt_requested(self, signal_name: str, step: int) -> None: ...
+    def preempt_requested(self, signal_name: str, step: int) -> None:
+        """``signal_name`` reached this rank at ``step``; every rank stops at the next agreed step."""
 
     def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
         """ROLLBACK restored step ``to_step`` in this process; training had reached ``from_step``."""

@@ -15,6 +15,8 @@ log = logging.getLogger("elastictrain")
 
 
 class State(enum.Enum):
+    """The states of a worker; ``Trainer.on(src, dst)`` hooks and observers see its transitions."""
+
     SETUP = "setup"  # process group, device, model/optimizer/data built
     RESTORE = "restore"  # newest valid snapshot loaded (or a fresh start chosen)
     TRAIN = "train"  # optimizer steps until something else is due

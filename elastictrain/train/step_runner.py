@@ -27,6 +27,13 @@ from elastictrain.train.task import split_loss
 
 
 class StepRunner:
+    """One optimizer step of the usual kind over a session: ``run(batches)`` once per step, then ``session.step()``.
+
+    ``model`` is what ``session.wrap(model, loss_fn)`` returned (a module whose forward is the loss);
+    ``lr_scheduler`` (stepped per step or per epoch, ``train.lr_scheduler_interval``) and
+    ``grad_scaler`` are optional. Clipping follows ``train.clip_grad_norm``.
+    """
+
     def __init__(self, session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
         if session.grad_sync is None:
@@ -41,6 +48,8 @@ class StepRunner:
         self._autocast = session.autocast  # train.autocast_dtype, asked of the session (loop_keys.py)
 
     def run(self, batches: list[Any]) -> None:
+        """One optimizer step over this rank's micro-batches: forward and backward under the gradient sync,
+        each micro-batch's loss and metrics logged, the update taken only if ``session.gradients_ok`` agrees."""
         session, sync, optimizer, scaler = self.session, self.session.grad_sync, self.optimizer, self.scaler
         accum, step = len(batches), session.global_step
         for micro, batch in enumerate(batches):

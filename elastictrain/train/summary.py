@@ -22,6 +22,12 @@ log = logging.getLogger("elastictrain")
 
 @dataclass
 class RunSummary:
+    """What a finished worker reports: ``Trainer.fit()`` returns it, ``session.summary`` holds it at the end.
+
+    ``params_sha256`` fingerprints the final model: equal between an unbroken and a resumed run on
+    the same CPU type, torch build, thread count, config and world size (or ``train.virtual_shards``).
+    """
+
     state: str
     global_step: int
     epoch: int
@@ -36,6 +42,7 @@ class RunSummary:
     run_wall_s: float = 0.0  # every attempt's time up to its last snapshot, plus this attempt
 
     def line(self) -> str:
+        """The one ``run summary: ...`` line the session logs at the end."""
         values = {"train_loss": self.train_loss, "val_loss": self.val_loss, **self.val_metrics}
         shown = "".join(f"{k}={v:.4f} " for k, v in values.items() if v is not None)
         return (

@@ -27,6 +27,14 @@ LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, dict[str
 
 @dataclass
 class Task:
+    """The components of one training task, as ``Trainer`` takes them and a ``task.factory`` returns them.
+
+    ``loss_fn(model, batch)`` returns the batch's mean loss, or ``(loss, {"accuracy": acc})`` with
+    per-batch means of other metrics. ``lr_scheduler`` is a scheduler or a factory
+    ``(optimizer, total_steps) -> scheduler``. A list of optimizers, a dataset that is not one or a
+    factory that cannot be called so is one ``ConfigError`` when the task is built.
+    """
+
     model: nn.Module
     optimizer: torch.optim.Optimizer
     train_data: Dataset
