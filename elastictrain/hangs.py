@@ -79,10 +79,12 @@ def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool,
     return max(base, settings.hang_timeout_s, multiple * longest_state_s)
 
 
-def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float) -> str:
+def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float,
+             stopped: frozenset[int] = frozenset()) -> str:
     """Which rank(s) stopped, from every rank's heartbeat: silent ones first, then ranks behind, then busy ones.
 
-    A silent rank (no heartbeat for ``stale_after_s``) is frozen, killed or lost with its host.
+    A silent rank (no heartbeat for ``stale_after_s``, or in ``stopped``: a stopped process on this
+    host whose heartbeat has not changed) is frozen, killed or lost with its host.
     Otherwise a rank behind the others' step holds them up; otherwise, at one step, the rank whose
     loop is in its own code while the others wait in a collective.
     """
@@ -90,7 +92,7 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     silent = [
         f"rank {rank} " + ("never sent a heartbeat" if beat is None else
                            f"sent no heartbeat for {now_unix - beat.unix:.1f} s (last in state {beat.state} at step {beat.step})")
-        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s
+        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s or rank in stopped
     ]
     if silent:
         return "; ".join(silent) + ": frozen, killed or its host is gone"
@@ -133,6 +135,18 @@ def is_stopped_here(beat: Heartbeat) -> bool:
     if stat is None or stat[0] not in ("T", "t") or stat[1] != beat.start_ticks:
         return False
     return True
+
+
+def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float,
+                 stopped_here: Callable[[Heartbeat], bool]) -> list[tuple[Heartbeat, float]]:
+    """The silent peers (``SilentPeers.update``'s answer) that count as frozen, gone or killed.
+
+    A heartbeat unchanged for ``stale_after_s`` is enough anywhere. On this host the process can be
+    asked: a peer whose heartbeat was seen unchanged across two reads and whose process is stopped
+    (SIGSTOP, a debugger's stop) is frozen now; waiting out the staleness tells nothing more. A slow
+    rank is never stopped: it runs, and its heartbeat thread publishes, so only staleness names it.
+    """
+    return [(beat, seconds) for beat, seconds in silent if seconds >= stale_after_s or stopped_here(beat)]
 
 
 class SilentPeers:

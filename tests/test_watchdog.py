@@ -7,7 +7,11 @@ tests/faults/test_hangs.py.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -15,7 +19,8 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.events import RunInfo, TrainInterval
-from elastictrain.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, loop_position
+from elastictrain.hangs import (Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, frozen_peers, is_stopped_here,
+                                loop_position, proc_stat)
 from elastictrain.states import State
 from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
 from elastictrain.watchdog import HUNG_EXIT_CODE, Watchdog
@@ -307,3 +312,81 @@ def test_a_peer_is_silent_when_its_heartbeat_stays_the_same_by_our_clock_whateve
     assert silence.update({1: beat(1, unix=1001.0 - 3600), 2: beat(2, state="DONE")}) == [(beat(1, unix=1001.0 - 3600), 3.5)]
     silence.forget()
     assert silence.update({1: beat(1, unix=1001.0 - 3600)}) == []  # progress forgets: silence is counted afresh
+
+
+def test_diagnose_names_a_stopped_rank_on_this_host_as_silent_before_its_heartbeat_is_stale():
+    heartbeats = {0: beat(0), 1: beat(1, unix=998.5)}
+    assert diagnose(heartbeats, now_unix=1000.0, stale_after_s=3.0).startswith("every rank stalled")
+    assert diagnose(heartbeats, now_unix=1000.0, stale_after_s=3.0, stopped=frozenset({1})) == (
+        "rank 1 sent no heartbeat for 1.5 s (last in state TRAIN at step 37): frozen, killed or its host is gone")
+
+
+@pytest.mark.parametrize("unchanged_s, stopped, frozen", [
+    (1.0, True, True),  # a stopped process on this host, its heartbeat seen unchanged twice: frozen now
+    (1.0, False, False),  # a slow or busy rank whose heartbeat lagged one read: not yet
+    (2.9, False, False),
+    (3.0, False, True),  # stale: frozen, killed or its host is gone, wherever it runs
+    (3.0, True, True),
+], ids=["stopped-at-second-read", "slow-one-read", "slow-nearly-stale", "stale", "stale-and-stopped"])
+def test_frozen_peers_a_stopped_peer_at_its_second_read_any_other_only_when_stale(unchanged_s, stopped, frozen):
+    silent = [(beat(1), unchanged_s)]
+    assert frozen_peers(silent, 3.0, stopped_here=lambda b: stopped) == (silent if frozen else [])
+
+
+@pytest.fixture
+def two_peer_processes():
+    """Two real processes on this host standing in for peer ranks: one SIGSTOPped (frozen), one running (slow)."""
+    frozen = subprocess.Popen(["sleep", "60"])
+    slow = subprocess.Popen(["sleep", "60"])
+    os.kill(frozen.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while proc_stat(frozen.pid)[0] not in ("T", "t") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield frozen.pid, slow.pid
+    for proc in (frozen, slow):
+        proc.kill()
+        proc.wait()
+
+
+def peer_beat(rank, pid, unix=1000.0):
+    return Heartbeat(rank=rank, step=37, state="TRAIN", unix=unix, waiting=True, where="x:1 in f", pid=pid,
+                     host=socket.gethostname(), start_ticks=proc_stat(pid)[1])
+
+
+def test_a_stopped_process_on_this_host_is_told_from_a_running_one(two_peer_processes):
+    frozen_pid, slow_pid = two_peer_processes
+    assert is_stopped_here(peer_beat(1, frozen_pid))
+    assert not is_stopped_here(peer_beat(2, slow_pid))
+    assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "start_ticks": 1}))  # a later process
+    assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "host": "another-host"}))
+
+
+def test_an_overdue_rank_names_a_stopped_peer_at_its_second_read_and_a_running_one_only_when_stale(store, two_peer_processes):
+    """Rank 0 is stalled; rank 1 is a SIGSTOPped process, rank 2 a running one, neither publishing (a slow rank's
+    heartbeat thread can lag under load). The stopped one ends the wait at the second read; the running one only
+    when its heartbeat is stale."""
+    frozen_pid, slow_pid = two_peer_processes
+
+    def watchdog(peers):
+        clock = FakeClock()
+        dog = Watchdog(WatchdogSettings(hang_timeout_s=600, heartbeat_every_s=1), clock=clock)
+        dog._info = info(rank=0, world_size=2, store=store)
+        store.set("watchdog/round-r1/rank-1", peer_beat(1, peers).to_json())
+        dog.transition(State.RESTORE, State.TRAIN, 37)
+        dog._trained_once, dog._longest_step_s = True, 0.01
+        return dog, clock
+
+    dog, clock = watchdog(frozen_pid)
+    clock.now = 1.0
+    assert dog.check() is None  # first read of the heartbeat
+    clock.now = 2.0
+    assert dog.check() == ("no progress for 2.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 1.0 s "
+                           "and its process is stopped on this host")
+    assert "frozen, killed or its host is gone (rank 1 is stopped process" in dog._diagnose()
+
+    dog, clock = watchdog(slow_pid)
+    for now in (1.0, 2.0, 3.0):
+        clock.now = now
+        assert dog.check() is None
+    clock.now = 4.0
+    assert dog.check() == "no progress for 4.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 3.0 s"
