@@ -42,8 +42,17 @@ import time
 from typing import Callable
 
 from .events import Observer, RunInfo, TrainInterval
-from .hangs import (Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, frozen_peers, is_stopped_here, loop_position,
-                    proc_stat)
+from .hangs import (
+    Heartbeat,
+    SilentPeers,
+    WatchdogSettings,
+    allowance_s,
+    diagnose,
+    frozen_peers,
+    is_stopped_here,
+    loop_position,
+    proc_stat,
+)
 from .states import TERMINAL, State
 
 log = logging.getLogger("elastictrain")

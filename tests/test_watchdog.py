@@ -19,8 +19,17 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.events import RunInfo, TrainInterval
-from elastictrain.hangs import (Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, frozen_peers, is_stopped_here,
-                                loop_position, proc_stat)
+from elastictrain.hangs import (
+    Heartbeat,
+    SilentPeers,
+    WatchdogSettings,
+    allowance_s,
+    diagnose,
+    frozen_peers,
+    is_stopped_here,
+    loop_position,
+    proc_stat,
+)
 from elastictrain.states import State
 from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
 from elastictrain.watchdog import HUNG_EXIT_CODE, Watchdog
