@@ -122,6 +122,17 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+def stopped_pids(pids: list[int], stat: Callable[[int], tuple[str, int] | None] = proc_stat) -> list[int]:
+    """The processes among ``pids`` that are stopped (SIGSTOP, a debugger's stop): a SIGTERM cannot reach them.
+
+    torch 2.13's agent stops a failed group on a restart with SIGTERM and waits 30 s before its
+    SIGKILL, whatever ``--shutdown-timeout`` says; elastictrain-run's agent and the warm-start
+    client SIGKILL these instead, as a frozen rank whose peers are on other nodes has no peer here
+    to do it.
+    """
+    return [pid for pid in pids if (state := stat(pid)) is not None and state[0] in ("T", "t")]
+
+
 def is_stopped_here(beat: Heartbeat) -> bool:
     """Whether a silent peer is a *stopped* process on this host (same pid and start time): the watchdog SIGKILLs it.
 

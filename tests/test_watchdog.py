@@ -29,6 +29,7 @@ from elastictrain.hangs import (
     is_stopped_here,
     loop_position,
     proc_stat,
+    stopped_pids,
 )
 from elastictrain.states import State
 from elastictrain.stragglers import StragglerReport, StragglerSettings, find_stragglers
@@ -368,6 +369,19 @@ def test_a_stopped_process_on_this_host_is_told_from_a_running_one(two_peer_proc
     assert not is_stopped_here(peer_beat(2, slow_pid))
     assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "start_ticks": 1}))  # a later process
     assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "host": "another-host"}))
+
+
+def test_the_stopped_workers_are_told_from_running_ones_and_from_gone_ones(two_peer_processes):
+    """What elastictrain-run's agent and the warm-start client SIGKILL instead of a SIGTERM the process cannot act on."""
+    frozen_pid, slow_pid = two_peer_processes
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert stopped_pids([frozen_pid, slow_pid, gone.pid]) == [frozen_pid]
+    os.kill(frozen_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while stopped_pids([frozen_pid]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stopped_pids([frozen_pid, slow_pid]) == []  # continued: it can act on a SIGTERM again
 
 
 def test_an_overdue_rank_names_a_stopped_peer_at_its_second_read_and_a_running_one_only_when_stale(store, two_peer_processes):
