@@ -148,16 +148,34 @@ def is_stopped_here(beat: Heartbeat) -> bool:
     return True
 
 
-def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float,
-                 stopped_here: Callable[[Heartbeat], bool]) -> list[tuple[Heartbeat, float]]:
+# How often a rank whose step is overdue reads its peers' heartbeats (at most): a stopped peer on this host is
+# named at the second read, so a frozen worker costs its peers about two of these, not the staleness.
+STALL_POLL_S = 0.25
+
+
+def stall_poll_s(settings: WatchdogSettings) -> float:
+    """The watchdog's check period while this rank's step is overdue (``heartbeat_every_s`` otherwise)."""
+    return min(settings.heartbeat_every_s, STALL_POLL_S)
+
+
+def overdue_after_s(settings: WatchdogSettings, longest_step_s: float) -> float:
+    """How long a step may stall before this rank reads its peers: twice the longest step, and one poll."""
+    return max(stall_poll_s(settings), 2 * longest_step_s)
+
+
+def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float, stopped_here: Callable[[Heartbeat], bool],
+                 stalled_s: float = float("inf"), heartbeat_every_s: float = 0.0) -> list[tuple[Heartbeat, float]]:
     """The silent peers (``SilentPeers.update``'s answer) that count as frozen, gone or killed.
 
-    A heartbeat unchanged for ``stale_after_s`` is enough anywhere. On this host the process can be
-    asked: a peer whose heartbeat was seen unchanged across two reads and whose process is stopped
-    (SIGSTOP, a debugger's stop) is frozen now; waiting out the staleness tells nothing more. A slow
-    rank is never stopped: it runs, and its heartbeat thread publishes, so only staleness names it.
+    A heartbeat unchanged for ``stale_after_s`` is enough anywhere; that silence counts only from
+    a heartbeat period into this rank's stall (``stalled_s``), as the peers are read from the first
+    poll on. On this host the process can be asked: a peer whose heartbeat was seen unchanged
+    across two reads and whose process is stopped (SIGSTOP, a debugger's stop) is frozen now;
+    waiting out the staleness tells nothing more. A slow rank is never stopped: it runs, and its
+    heartbeat thread publishes, so only staleness names it.
     """
-    return [(beat, seconds) for beat, seconds in silent if seconds >= stale_after_s or stopped_here(beat)]
+    return [(beat, seconds) for beat, seconds in silent
+            if min(seconds, stalled_s - heartbeat_every_s) >= stale_after_s or stopped_here(beat)]
 
 
 class SilentPeers:

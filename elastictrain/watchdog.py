@@ -51,7 +51,9 @@ from .hangs import (
     frozen_peers,
     is_stopped_here,
     loop_position,
+    overdue_after_s,
     proc_stat,
+    stall_poll_s,
 )
 from .states import TERMINAL, State
 
@@ -102,6 +104,7 @@ class Watchdog(Observer):
         self._to_kill: list[Heartbeat] = []
         self._silence = SilentPeers(clock)
         self._silent_peers: list[tuple[Heartbeat, float]] = []  # check()'s verdict: these peers went silent
+        self._overdue = False  # check()'s: this rank's step is overdue, so the thread polls every stall_poll_s
 
     # -- events (loop thread) ---------------------------------------------------------------
 
@@ -153,8 +156,11 @@ class Watchdog(Observer):
     # -- the watchdog thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_every_s):
-            self._publish()
+        published = self._clock()
+        while not self._stop.wait(stall_poll_s(self.settings) if self._overdue else self.settings.heartbeat_every_s):
+            if self._clock() - published >= self.settings.heartbeat_every_s - 1e-3:
+                self._publish()
+                published = self._clock()
             verdict = self.check()
             if verdict is not None and not self._stop.is_set():
                 self._fire(verdict)
@@ -184,9 +190,14 @@ class Watchdog(Observer):
         stalled_s = now - max(self._last_progress, entered)
         if stalled_s > allowed:
             return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
-        # Overdue (a heartbeat period, and twice the longest step): a silent peer will not come back.
-        if stalled_s >= max(self.settings.heartbeat_every_s, 2 * self._longest_step_s):
-            silent = frozen_peers(self._silence.update(self._peer_heartbeats()), self._stale_after_s(), is_stopped_here)
+        # Overdue (a poll, and twice the longest step): a silent peer will not come back. The peers are read from
+        # then on every poll; a peer's staleness still counts only from a heartbeat period into the stall, as a
+        # slow peer's heartbeat thread may lag under load, while a stopped peer on this host is named at once.
+        overdue = overdue_after_s(self.settings, self._longest_step_s)
+        self._overdue = stalled_s >= overdue
+        if self._overdue:
+            silent = frozen_peers(self._silence.update(self._peer_heartbeats()), self._stale_after_s(), is_stopped_here,
+                                  stalled_s, self.settings.heartbeat_every_s)
             if silent:
                 self._silent_peers = silent
                 return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and " + (

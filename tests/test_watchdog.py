@@ -331,16 +331,19 @@ def test_diagnose_names_a_stopped_rank_on_this_host_as_silent_before_its_heartbe
         "rank 1 sent no heartbeat for 1.5 s (last in state TRAIN at step 37): frozen, killed or its host is gone")
 
 
-@pytest.mark.parametrize("unchanged_s, stopped, frozen", [
-    (1.0, True, True),  # a stopped process on this host, its heartbeat seen unchanged twice: frozen now
-    (1.0, False, False),  # a slow or busy rank whose heartbeat lagged one read: not yet
-    (2.9, False, False),
-    (3.0, False, True),  # stale: frozen, killed or its host is gone, wherever it runs
-    (3.0, True, True),
-], ids=["stopped-at-second-read", "slow-one-read", "slow-nearly-stale", "stale", "stale-and-stopped"])
-def test_frozen_peers_a_stopped_peer_at_its_second_read_any_other_only_when_stale(unchanged_s, stopped, frozen):
+@pytest.mark.parametrize("unchanged_s, stalled_s, stopped, frozen", [
+    (0.25, 0.5, True, True),  # a stopped process on this host, its heartbeat seen unchanged at two polls: frozen now
+    (0.25, 0.5, False, False),  # a slow or busy rank whose heartbeat lagged one poll: not yet
+    (2.9, 4.0, False, False),
+    (3.0, 4.0, False, True),  # stale: frozen, killed or its host is gone, wherever it runs
+    (3.0, 4.0, True, True),
+    (3.5, 3.5, False, False),  # read from the first poll: staleness counts from a heartbeat period into the stall
+    (3.5, 4.0, False, True),
+], ids=["stopped-at-second-poll", "slow-one-poll", "slow-nearly-stale", "stale", "stale-and-stopped",
+        "stale-too-early-in-the-stall", "stale-a-period-into-the-stall"])
+def test_frozen_peers_a_stopped_peer_at_its_second_read_any_other_only_when_stale(unchanged_s, stalled_s, stopped, frozen):
     silent = [(beat(1), unchanged_s)]
-    assert frozen_peers(silent, 3.0, stopped_here=lambda b: stopped) == (silent if frozen else [])
+    assert frozen_peers(silent, 3.0, lambda b: stopped, stalled_s, heartbeat_every_s=1.0) == (silent if frozen else [])
 
 
 @pytest.fixture
@@ -384,10 +387,10 @@ def test_the_stopped_workers_are_told_from_running_ones_and_from_gone_ones(two_p
     assert stopped_pids([frozen_pid, slow_pid]) == []  # continued: it can act on a SIGTERM again
 
 
-def test_an_overdue_rank_names_a_stopped_peer_at_its_second_read_and_a_running_one_only_when_stale(store, two_peer_processes):
+def test_an_overdue_rank_names_a_stopped_peer_at_its_second_poll_and_a_running_one_only_when_stale(store, two_peer_processes):
     """Rank 0 is stalled; rank 1 is a SIGSTOPped process, rank 2 a running one, neither publishing (a slow rank's
-    heartbeat thread can lag under load). The stopped one ends the wait at the second read; the running one only
-    when its heartbeat is stale."""
+    heartbeat thread can lag under load). The stopped one ends the wait at the second poll; the running one only
+    when its heartbeat is stale, a heartbeat period into the stall."""
     frozen_pid, slow_pid = two_peer_processes
 
     def watchdog(peers):
@@ -400,16 +403,18 @@ def test_an_overdue_rank_names_a_stopped_peer_at_its_second_read_and_a_running_o
         return dog, clock
 
     dog, clock = watchdog(frozen_pid)
-    clock.now = 1.0
-    assert dog.check() is None  # first read of the heartbeat
-    clock.now = 2.0
-    assert dog.check() == ("no progress for 2.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 1.0 s "
-                           "and its process is stopped on this host")
+    clock.now = 0.2
+    assert dog.check() is None and not dog._overdue  # not yet a poll into the stall: the peers are not read
+    clock.now = 0.3
+    assert dog.check() is None and dog._overdue  # first read of the heartbeat; from now on a check every poll
+    clock.now = 0.6
+    assert dog.check() == ("no progress for 0.6 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for "
+                           "0.3 s and its process is stopped on this host")
     assert "frozen, killed or its host is gone (rank 1 is stopped process" in dog._diagnose()
 
     dog, clock = watchdog(slow_pid)
-    for now in (1.0, 2.0, 3.0):
+    for now in (0.3, 0.6, 1.0, 2.0, 3.0, 3.75):
         clock.now = now
         assert dog.check() is None
     clock.now = 4.0
-    assert dog.check() == "no progress for 4.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 3.0 s"
+    assert dog.check() == "no progress for 4.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 3.7 s"
