@@ -19,7 +19,9 @@ restarted group restores the survivor copy of the step before. It reports, per s
 - kill -> first step: the kill to rank 0's first forward of the restarted attempt;
 - peak RSS per rank (``VmHWM``) in the first attempt, beside the state size.
 
-Raw bandwidths, measured in this process: a memory copy (``torch.Tensor.copy_`` of 512 MB) and the
+First, in this process alone (``in_process_rates``), the pieces of a snapshot at each size against a
+plain copy of the same bytes moments apart: staging, a save into /dev/shm, a read and load. Raw
+bandwidths, measured in this process: a memory copy (``torch.Tensor.copy_`` of 512 MB) and the
 raw write + fsync. A linear fit per cost (seconds per GB) says whether it grows with the bytes and
 how its rate compares to the bandwidths.
 
@@ -51,6 +53,7 @@ SHM = pathlib.Path("/dev/shm")
 START_TIMEOUT_S = 600.0
 RECOVERY_TIMEOUT_S = 300.0
 DURABLE_EVERY, LOCAL_EVERY = 4, 2
+BLOCK_BYTES = 50e6
 
 
 def load_average() -> float:
@@ -93,6 +96,55 @@ def _timed(action) -> float:
     started = time.perf_counter()
     action()
     return time.perf_counter() - started
+
+
+def in_process_rates(sizes_mb: list[float], repeats: int = 3) -> list[dict]:
+    """Per size, in this process on one thread: the pieces of a snapshot against a plain copy of the same bytes.
+
+    The state is 50 MB tensors (as the worker's blocks). Each repeat times, in turn: ``Tensor.copy_`` of
+    every tensor into a reused buffer (the memory bound), ``Stager.stage`` into reused buffers (what a
+    background snapshot blocks on), ``save_object`` into a file in /dev/shm (a fast copy's write), and
+    reading that file back with ``load_object``. Ratios to the copy at the same size, taken moments apart,
+    show whether a piece grows faster than the bytes even where the machine's load moves every number.
+    """
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers, pinned to one intra-op thread
+    try:
+        for mb in sizes_mb:
+            rows.append(_rates_at(mb, repeats))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _rates_at(mb: float, repeats: int) -> dict:
+    from elastictrain import snapshot
+    from elastictrain.staging import Stager
+
+    tree = {f"t{i}": torch.rand(int(BLOCK_BYTES // 4)) for i in range(max(1, round(mb * 1e6 / BLOCK_BYTES)))}
+    nbytes = sum(t.numel() * 4 for t in tree.values())
+    buffers = {key: torch.empty_like(t) for key, t in tree.items()}
+    stager, path = Stager(), SHM / f"state-size-curve-{os.getpid()}.pt"
+    stager.stage(tree)  # buffers allocated: later stages reuse them
+
+    def save() -> None:
+        with open(path, "wb") as file:
+            snapshot.save_object(tree, file)
+
+    times: dict[str, list[float]] = {"copy": [], "stage": [], "save_shm": [], "load": []}
+    try:
+        for _ in range(repeats):
+            times["copy"].append(_timed(lambda: [buffers[k].copy_(t) for k, t in tree.items()]))
+            times["stage"].append(_timed(lambda: stager.stage(tree)))
+            times["save_shm"].append(_timed(save))
+            times["load"].append(_timed(lambda: snapshot.load_object(path.read_bytes(), "curve")))
+    finally:
+        path.unlink(missing_ok=True)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    return {"mb": nbytes / 1e6, "load_average": load_average(), "seconds": medians,
+            "over_copy": {key: round(value / medians["copy"], 2) for key, value in medians.items()}}
 
 
 def durable_restore(url: str) -> dict:
@@ -188,14 +240,29 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=10, help="rank 1 is SIGKILLed at the forward of this step")
     parser.add_argument("--dir", default=None, help="where the durable snapshots go (default: the temporary directory)")
     parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "state_size_curve.json")
+    parser.add_argument("--in-process-only", action="store_true", help="only the in-process rates, no torchrun jobs")
     args = parser.parse_args()
     started = time.time()
+    sizes = [float(size) for size in args.sizes.split(",")]
+    rates = in_process_rates(sizes)
+    print("in this process, one thread, median of 3: seconds, and over a plain copy of the same bytes")
+    print("| state MB | load | copy s | stage s (×copy) | save to /dev/shm s (×copy) | read + load s (×copy) |")
+    print("|---|---|---|---|---|---|")
+    for rate in rates:
+        sec, over = rate["seconds"], rate["over_copy"]
+        print(f"| {rate['mb']:.0f} | {rate['load_average']:.1f} | {sec['copy']:.3f} | {sec['stage']:.3f} ({over['stage']}) | "
+              f"{sec['save_shm']:.3f} ({over['save_shm']}) | {sec['load']:.3f} ({over['load']}) |")
+    if args.in_process_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "state_size_curve", "command": " ".join(["python", *sys.argv]),
+                                        "in_process": rates}, indent=2) + "\n")
+        return
     bandwidth = {"memory_copy_gbps": round(memory_copy_gbps(), 2)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="size-curve-", dir=args.dir) as scratch:
         gb = 2
         bandwidth["raw_write_fsync_gbps"] = round(gb / raw_write(pathlib.Path(scratch), gb << 30) * (1 << 30) / 1e9, 2)
-        for mb in [float(size) for size in args.sizes.split(",")]:
+        for mb in sizes:
             row = run_size(mb, args, pathlib.Path(scratch))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "last_lines"}), file=sys.stderr, flush=True)
@@ -230,7 +297,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "benchmark": "state_size_curve", "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(), "started_unix_s": started,
-        "wall_s": time.time() - started, "bandwidth": bandwidth, "fits": fits, "rows": rows,
+        "wall_s": time.time() - started, "bandwidth": bandwidth, "fits": fits, "rows": rows, "in_process": rates,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 
