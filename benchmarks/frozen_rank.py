@@ -4,7 +4,10 @@ Each trial runs the traced test job (tests/helpers/jobs.py) under real torchrun 
 and the watchdog's default settings (``hang_timeout_s`` 30, ``heartbeat_every_s`` 1). When rank
 1 reaches step 37 it writes its pid; this script sends it SIGSTOP and times until the restarted
 group logs ``a1] INFO restored snapshot``, then lets the run end and checks its params_sha256
-against an unbroken run of the same job.
+against an unbroken run of the same job. The live rank's hang line (its millisecond timestamp) says
+when detection ended. ``--burners N`` runs N CPU-bound processes (a Python busy
+loop each) beside the job for the whole run; every trial records the load average at the SIGSTOP.
+``--warm`` launches the job with warm restarts (``-m elastictrain.launcher.warmstart``).
 
     PYTHONPATH=. .venv/bin/python benchmarks/frozen_rank.py --trials 3 --out benchmarks/results/frozen_rank.json
 """
@@ -12,33 +15,49 @@ against an unbroken run of the same job.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
+import re
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-from tests.conftest import job_env, parse_job, torchrun_launcher
+from tests.conftest import WARM, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import JOB, TIMEOUT_S, run_reference
 
+HANG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r\d a0\] ERROR rank \d: no progress", re.MULTILINE)
 
-def trial(workdir: pathlib.Path, timeout_s: float) -> tuple[float, str]:
+
+def line_unix(match: re.Match, near_unix: float) -> float:
+    day = datetime.datetime.fromtimestamp(near_unix)
+    hours, minutes, seconds, millis = (int(group) for group in match.groups())
+    return day.replace(hour=hours, minute=minutes, second=seconds, microsecond=millis * 1000).timestamp()
+
+
+def trial(workdir: pathlib.Path, timeout_s: float, warm: bool) -> tuple[float, str, float, float | None]:
     (workdir / "trace").mkdir(parents=True)
     overrides = [*JOB, f"task.args.trace_dir={workdir / 'trace'}", f"run.dir={workdir / 'run'}",
                  "task.args.pause_rank=1", "task.args.pause_at_step=37"]
-    job = procs.launch([*torchrun_launcher(), "-m", "elastictrain", "train", *overrides], log_path=workdir / "job.log",
+    job = procs.launch([*torchrun_launcher(), *(WARM if warm else []), "-m", "elastictrain", "train", *overrides],
+                       log_path=workdir / "job.log",
                        env=job_env(), cwd=workdir)
     try:
         pid = int(procs.wait_for_file(workdir / "trace" / "paused-rank1.pid", TIMEOUT_S, job))
         os.kill(pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
+        stopped_at, stopped_unix = time.monotonic(), time.time()
+        load = os.getloadavg()[0]
         job.wait_for(lambda out: "a1] INFO restored snapshot" in out, timeout_s, "the restarted group's restore")
         restart_s = time.monotonic() - stopped_at
         assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
-        return restart_s, parse_job(job.output()).summary["params_sha256"]
+        hang = HANG_LINE.search(job.output())
+        detect_s = line_unix(hang, stopped_unix) - stopped_unix if hang else None
+        return restart_s, parse_job(job.output()).summary["params_sha256"], load, detect_s
     finally:
         procs.kill_all_launched()
 
@@ -48,18 +67,32 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--burners", type=int, default=0, help="CPU-bound processes beside the job")
+    parser.add_argument("--warm", action="store_true", help="warm restarts (-m elastictrain.launcher.warmstart)")
     args = parser.parse_args()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
+    try:
+        run(args)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         (root / "reference").mkdir()
         reference = run_reference(root / "reference").result.summary["params_sha256"]
         results = []
         for index in range(args.trials):
-            restart_s, sha = trial(root / f"trial{index}", args.timeout_s)
-            results.append({"restart_s": round(restart_s, 2), "bitwise": sha == reference})
-            print(f"trial {index}: SIGSTOP -> restarted group restored in {restart_s:.1f} s, bitwise={sha == reference}",
+            restart_s, sha, load, detect_s = trial(root / f"trial{index}", args.timeout_s, args.warm)
+            results.append({"restart_s": round(restart_s, 2), "detect_s": detect_s and round(detect_s, 2),
+                            "bitwise": sha == reference, "load_at_sigstop": load})
+            print(f"trial {index}: SIGSTOP -> restarted group restored in {restart_s:.1f} s (the live rank's hang line "
+                  f"after {detect_s} s), bitwise={sha == reference}, load average {load:.1f}",
                   flush=True)
-    summary = {"trials": results, "median_restart_s": round(statistics.median(r["restart_s"] for r in results), 2)}
+    summary = {"burners": args.burners, "warm": args.warm, "trials": results, "median_restart_s": round(statistics.median(r["restart_s"] for r in results), 2)}
     print(json.dumps(summary))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")

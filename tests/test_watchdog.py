@@ -7,7 +7,11 @@ tests/faults/test_hangs.py.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -15,7 +19,17 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.core.events import RunInfo, TrainInterval
-from elastictrain.health.hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, loop_position
+from elastictrain.core.processes import proc_stat, stopped_pids
+from elastictrain.health.hangs import (
+    Heartbeat,
+    SilentPeers,
+    WatchdogSettings,
+    allowance_s,
+    diagnose,
+    frozen_peers,
+    is_stopped_here,
+    loop_position,
+)
 from elastictrain.core.states import State
 from elastictrain.observe.stragglers import StragglerReport, StragglerSettings, find_stragglers
 from elastictrain.health.watchdog import HUNG_EXIT_CODE, Watchdog
@@ -307,3 +321,99 @@ def test_a_peer_is_silent_when_its_heartbeat_stays_the_same_by_our_clock_whateve
     assert silence.update({1: beat(1, unix=1001.0 - 3600), 2: beat(2, state="DONE")}) == [(beat(1, unix=1001.0 - 3600), 3.5)]
     silence.forget()
     assert silence.update({1: beat(1, unix=1001.0 - 3600)}) == []  # progress forgets: silence is counted afresh
+
+
+def test_diagnose_names_a_stopped_rank_on_this_host_as_silent_before_its_heartbeat_is_stale():
+    heartbeats = {0: beat(0), 1: beat(1, unix=998.5)}
+    assert diagnose(heartbeats, now_unix=1000.0, stale_after_s=3.0).startswith("every rank stalled")
+    assert diagnose(heartbeats, now_unix=1000.0, stale_after_s=3.0, stopped=frozenset({1})) == (
+        "rank 1 sent no heartbeat for 1.5 s (last in state TRAIN at step 37): frozen, killed or its host is gone")
+
+
+@pytest.mark.parametrize("unchanged_s, stalled_s, stopped, frozen", [
+    (0.25, 0.5, True, True),  # a stopped process on this host, its heartbeat seen unchanged at two polls: frozen now
+    (0.25, 0.5, False, False),  # a slow or busy rank whose heartbeat lagged one poll: not yet
+    (2.9, 4.0, False, False),
+    (3.0, 4.0, False, True),  # stale: frozen, killed or its host is gone, wherever it runs
+    (3.0, 4.0, True, True),
+    (3.5, 3.5, False, False),  # read from the first poll: staleness counts from a heartbeat period into the stall
+    (3.5, 4.0, False, True),
+], ids=["stopped-at-second-poll", "slow-one-poll", "slow-nearly-stale", "stale", "stale-and-stopped",
+        "stale-too-early-in-the-stall", "stale-a-period-into-the-stall"])
+def test_frozen_peers_a_stopped_peer_at_its_second_read_any_other_only_when_stale(unchanged_s, stalled_s, stopped, frozen):
+    silent = [(beat(1), unchanged_s)]
+    assert frozen_peers(silent, 3.0, lambda b: stopped, stalled_s, heartbeat_every_s=1.0) == (silent if frozen else [])
+
+
+@pytest.fixture
+def two_peer_processes():
+    """Two real processes on this host standing in for peer ranks: one SIGSTOPped (frozen), one running (slow)."""
+    frozen = subprocess.Popen(["sleep", "60"])
+    slow = subprocess.Popen(["sleep", "60"])
+    os.kill(frozen.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while proc_stat(frozen.pid)[0] not in ("T", "t") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield frozen.pid, slow.pid
+    for proc in (frozen, slow):
+        proc.kill()
+        proc.wait()
+
+
+def peer_beat(rank, pid, unix=1000.0):
+    return Heartbeat(rank=rank, step=37, state="TRAIN", unix=unix, waiting=True, where="x:1 in f", pid=pid,
+                     host=socket.gethostname(), start_ticks=proc_stat(pid)[1])
+
+
+def test_a_stopped_process_on_this_host_is_told_from_a_running_one(two_peer_processes):
+    frozen_pid, slow_pid = two_peer_processes
+    assert is_stopped_here(peer_beat(1, frozen_pid))
+    assert not is_stopped_here(peer_beat(2, slow_pid))
+    assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "start_ticks": 1}))  # a later process
+    assert not is_stopped_here(Heartbeat(**{**peer_beat(1, frozen_pid).__dict__, "host": "another-host"}))
+
+
+def test_the_stopped_workers_are_told_from_running_ones_and_from_gone_ones(two_peer_processes):
+    """What elastictrain-run's agent and the warm-start client SIGKILL instead of a SIGTERM the process cannot act on."""
+    frozen_pid, slow_pid = two_peer_processes
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert stopped_pids([frozen_pid, slow_pid, gone.pid]) == [frozen_pid]
+    os.kill(frozen_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while stopped_pids([frozen_pid]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stopped_pids([frozen_pid, slow_pid]) == []  # continued: it can act on a SIGTERM again
+
+
+def test_an_overdue_rank_names_a_stopped_peer_at_its_second_poll_and_a_running_one_only_when_stale(store, two_peer_processes):
+    """Rank 0 is stalled; rank 1 is a SIGSTOPped process, rank 2 a running one, neither publishing (a slow rank's
+    heartbeat thread can lag under load). The stopped one ends the wait at the second poll; the running one only
+    when its heartbeat is stale, a heartbeat period into the stall."""
+    frozen_pid, slow_pid = two_peer_processes
+
+    def watchdog(peers):
+        clock = FakeClock()
+        dog = Watchdog(WatchdogSettings(hang_timeout_s=600, heartbeat_every_s=1), clock=clock)
+        dog._info = info(rank=0, world_size=2, store=store)
+        store.set("watchdog/round-r1/rank-1", peer_beat(1, peers).to_json())
+        dog.transition(State.RESTORE, State.TRAIN, 37)
+        dog._trained_once, dog._longest_step_s = True, 0.01
+        return dog, clock
+
+    dog, clock = watchdog(frozen_pid)
+    clock.now = 0.2
+    assert dog.check() is None and not dog._overdue  # not yet a poll into the stall: the peers are not read
+    clock.now = 0.3
+    assert dog.check() is None and dog._overdue  # first read of the heartbeat; from now on a check every poll
+    clock.now = 0.6
+    assert dog.check() == ("no progress for 0.6 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for "
+                           "0.3 s and its process is stopped on this host")
+    assert "frozen, killed or its host is gone (rank 1 is stopped process" in dog._diagnose()
+
+    dog, clock = watchdog(slow_pid)
+    for now in (0.3, 0.6, 1.0, 2.0, 3.0, 3.75):
+        clock.now = now
+        assert dog.check() is None
+    clock.now = 4.0
+    assert dog.check() == "no progress for 4.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 3.7 s"

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from elastictrain.core.processes import proc_stat
 from elastictrain.core.states import TERMINAL, State
 
 # Where the innermost frame of a rank's loop thread lies when that rank is waiting for its peers
@@ -79,10 +80,12 @@ def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool,
     return max(base, settings.hang_timeout_s, multiple * longest_state_s)
 
 
-def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float) -> str:
+def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float,
+             stopped: frozenset[int] = frozenset()) -> str:
     """Which rank(s) stopped, from every rank's heartbeat: silent ones first, then ranks behind, then busy ones.
 
-    A silent rank (no heartbeat for ``stale_after_s``) is frozen, killed or lost with its host.
+    A silent rank (no heartbeat for ``stale_after_s``, or in ``stopped``: a stopped process on this
+    host whose heartbeat has not changed) is frozen, killed or lost with its host.
     Otherwise a rank behind the others' step holds them up; otherwise, at one step, the rank whose
     loop is in its own code while the others wait in a collective.
     """
@@ -90,7 +93,7 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     silent = [
         f"rank {rank} " + ("never sent a heartbeat" if beat is None else
                            f"sent no heartbeat for {now_unix - beat.unix:.1f} s (last in state {beat.state} at step {beat.step})")
-        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s
+        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s or rank in stopped
     ]
     if silent:
         return "; ".join(silent) + ": frozen, killed or its host is gone"
@@ -109,17 +112,6 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     return f"every rank stalled in state {beats[0].state} at step {top}, none silent or behind ({where})"
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) of a process from /proc, or None (gone, or not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            raw = stat_file.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
 def is_stopped_here(beat: Heartbeat) -> bool:
     """Whether a silent peer is a *stopped* process on this host (same pid and start time): the watchdog SIGKILLs it.
 
@@ -133,6 +125,36 @@ def is_stopped_here(beat: Heartbeat) -> bool:
     if stat is None or stat[0] not in ("T", "t") or stat[1] != beat.start_ticks:
         return False
     return True
+
+
+# How often a rank whose step is overdue reads its peers' heartbeats (at most): a stopped peer on this host is
+# named at the second read, so a frozen worker costs its peers about two of these, not the staleness.
+STALL_POLL_S = 0.25
+
+
+def stall_poll_s(settings: WatchdogSettings) -> float:
+    """The watchdog's check period while this rank's step is overdue (``heartbeat_every_s`` otherwise)."""
+    return min(settings.heartbeat_every_s, STALL_POLL_S)
+
+
+def overdue_after_s(settings: WatchdogSettings, longest_step_s: float) -> float:
+    """How long a step may stall before this rank reads its peers: twice the longest step, and one poll."""
+    return max(stall_poll_s(settings), 2 * longest_step_s)
+
+
+def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float, stopped_here: Callable[[Heartbeat], bool],
+                 stalled_s: float = float("inf"), heartbeat_every_s: float = 0.0) -> list[tuple[Heartbeat, float]]:
+    """The silent peers (``SilentPeers.update``'s answer) that count as frozen, gone or killed.
+
+    A heartbeat unchanged for ``stale_after_s`` is enough anywhere; that silence counts only from
+    a heartbeat period into this rank's stall (``stalled_s``), as the peers are read from the first
+    poll on. On this host the process can be asked: a peer whose heartbeat was seen unchanged
+    across two reads and whose process is stopped (SIGSTOP, a debugger's stop) is frozen now;
+    waiting out the staleness tells nothing more. A slow rank is never stopped: it runs, and its
+    heartbeat thread publishes, so only staleness names it.
+    """
+    return [(beat, seconds) for beat, seconds in silent
+            if min(seconds, stalled_s - heartbeat_every_s) >= stale_after_s or stopped_here(beat)]
 
 
 class SilentPeers:

@@ -18,8 +18,9 @@ A frozen rank cannot act, but its peers stall at the same moment and their watch
 stuck in its own code is caught by its own watchdog as well as by its peers'. A stalled rank
 does not wait out the allowance for a peer that is frozen or gone: once its own step is overdue
 it reads the peers' heartbeats every period, and a peer whose heartbeat has not changed for a few
-periods (by this rank's clock: ``SilentPeers``) ends the wait at once. A peer stopped on this
-host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
+periods (by this rank's clock: ``SilentPeers``) ends the wait at once; on this host, a peer whose
+heartbeat has not changed across two reads and whose process is stopped ends it at the second read
+(``hangs.frozen_peers``). A peer stopped on this host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
 left to its own agent, which the group's new rendezvous round makes restart its workers.
 
 The allowance adapts so a slow model is no false alarm: in TRAIN it is the larger of
@@ -41,8 +42,10 @@ import time
 from typing import Callable
 
 from elastictrain.core.events import Observer, RunInfo, TrainInterval
+from elastictrain.core.processes import proc_stat
 from elastictrain.health.hangs import (
-    Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, is_stopped_here, loop_position, proc_stat,
+    Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, frozen_peers, is_stopped_here, loop_position,
+    overdue_after_s, stall_poll_s,
 )
 from elastictrain.core.states import TERMINAL, State
 
@@ -93,6 +96,7 @@ class Watchdog(Observer):
         self._to_kill: list[Heartbeat] = []
         self._silence = SilentPeers(clock)
         self._silent_peers: list[tuple[Heartbeat, float]] = []  # check()'s verdict: these peers went silent
+        self._overdue = False  # check()'s: this rank's step is overdue, so the thread polls every stall_poll_s
 
     # -- events (loop thread) ---------------------------------------------------------------
 
@@ -144,8 +148,11 @@ class Watchdog(Observer):
     # -- the watchdog thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_every_s):
-            self._publish()
+        published = self._clock()
+        while not self._stop.wait(stall_poll_s(self.settings) if self._overdue else self.settings.heartbeat_every_s):
+            if self._clock() - published >= self.settings.heartbeat_every_s - 1e-3:
+                self._publish()
+                published = self._clock()
             verdict = self.check()
             if verdict is not None and not self._stop.is_set():
                 self._fire(verdict)
@@ -175,13 +182,20 @@ class Watchdog(Observer):
         stalled_s = now - max(self._last_progress, entered)
         if stalled_s > allowed:
             return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
-        # Overdue (a heartbeat period, and twice the longest step): a silent peer will not come back.
-        if stalled_s >= max(self.settings.heartbeat_every_s, 2 * self._longest_step_s):
-            silent = [(beat, s) for beat, s in self._silence.update(self._peer_heartbeats()) if s >= self._stale_after_s()]
+        # Overdue (a poll, and twice the longest step): a silent peer will not come back. The peers are read from
+        # then on every poll; a peer's staleness still counts only from a heartbeat period into the stall, as a
+        # slow peer's heartbeat thread may lag under load, while a stopped peer on this host is named at once.
+        overdue = overdue_after_s(self.settings, self._longest_step_s)
+        self._overdue = stalled_s >= overdue
+        if self._overdue:
+            silent = frozen_peers(self._silence.update(self._peer_heartbeats()), self._stale_after_s(), is_stopped_here,
+                                  stalled_s, self.settings.heartbeat_every_s)
             if silent:
                 self._silent_peers = silent
                 return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and " + (
-                    "; ".join(f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s" for beat, s in silent))
+                    "; ".join(f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s"
+                              + (" and its process is stopped on this host" if is_stopped_here(beat) else "")
+                              for beat, s in silent))
         else:
             self._silence.forget()
         # Stalled for a while, and a peer has already found the hang: leave with it now, before
@@ -260,9 +274,10 @@ class Watchdog(Observer):
         peers = self._read_heartbeats()
         heartbeats = {rank: own if rank == info.rank else peers[rank] for rank in range(info.world_size)}
         now_unix, stale_after_s = time.time(), self._stale_after_s()
-        verdict = diagnose(heartbeats, now_unix, stale_after_s)
-        self._to_kill = [beat for beat in heartbeats.values()
-                         if beat is not None and now_unix - beat.unix > stale_after_s and is_stopped_here(beat)]
+        silent_ranks = {beat.rank for beat, _ in self._silent_peers}
+        self._to_kill = [beat for beat in heartbeats.values() if beat is not None and beat.rank != own.rank
+                         and (now_unix - beat.unix > stale_after_s or beat.rank in silent_ranks) and is_stopped_here(beat)]
+        verdict = diagnose(heartbeats, now_unix, stale_after_s, stopped=frozenset(beat.rank for beat in self._to_kill))
         if self._to_kill:
             verdict += " (" + ", ".join(f"rank {b.rank} is stopped process {b.pid} on this host" for b in self._to_kill) + (
                 ": SIGKILL, so the launcher need not wait for it to obey SIGTERM)")

@@ -20,6 +20,8 @@ torch's own launcher (``torch.distributed.run``) in this process, and only chang
   hosted it, pod 0 or the first node, is gone): exit **200** with one line. A code of 128 or more
   is what Kubeflow's ``restartPolicy: ExitCode`` retries, and 200 is no signal's 128+N, so it is
   never read as a kill. The relaunched job resumes from the newest snapshot.
+- a worker that is stopped (SIGSTOP, frozen) when the agent stops the group for a restart is
+  SIGKILLed at once: it cannot act on torch's SIGTERM, which torch 2.13 follows with 30 s of waiting.
 - success: exit 0.
 
 Anything else the launcher raises (a bad flag, a rendezvous that times out) is torch's and keeps
@@ -28,11 +30,13 @@ torch's behaviour.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
 
 from elastictrain.core.fatal import FatalRecord, marker_path, read_marker
+from elastictrain.core.processes import stopped_pids
 
 PREEMPTED_EXIT_CODE = 143  # elastictrain.core.signals.PREEMPTED_EXIT_CODE, without importing the worker side
 CONFIG_ERROR_EXIT_CODE = 2  # elastictrain.core.errors.ConfigError.exit_code and UsageError's
@@ -92,6 +96,16 @@ def _fail_fast(agent_class: type) -> type:
                     FailFastAgent.fatal = record
                     self._remaining_restarts = 0  # _invoke_run then stops the workers and returns the failure
             return result
+
+        def _stop_workers(self, worker_group: Any) -> None:
+            # torch's stop sends SIGTERM and waits 30 s before SIGKILL (2.13 ignores --shutdown-timeout here); a
+            # stopped worker cannot act on SIGTERM: a frozen rank whose live peers are on other nodes.
+            for pid in stopped_pids(list(self._pcontext.pids().values()) if self._pcontext is not None else []):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            super()._stop_workers(worker_group)
 
         def _fatal_of_this_attempt(self) -> FatalRecord | None:
             restart = self._worker_group.spec.max_restarts - self._remaining_restarts

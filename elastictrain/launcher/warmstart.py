@@ -22,7 +22,8 @@ How. The process torchrun starts is a thin client: this module, standard library
   arguments, environment, working directory and standard streams (the file descriptors, over
   SCM_RIGHTS). The server forks a child that takes them on and runs the script as ``__main__``.
 - **The client stays.** It is the process torchrun watches. It forwards every signal torchrun
-  sends to the child, and exits as the child did: the same code, or the same signal.
+  sends to the child (a SIGTERM to a stopped child as SIGKILL: it could not act on it), and exits
+  as the child did: the same code, or the same signal.
 - **The child dies with its client.** A thread of the child waits on the connection. When the
   client's end closes (the client SIGKILLed, say), the child kills itself with SIGKILL. So
   killing the process torchrun started does what it did before.
@@ -51,6 +52,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from elastictrain.core.processes import stopped_pids
 from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 from elastictrain.launcher.warm_server import ChildJob, cuda_initialized, run_child, run_target, serve
 
@@ -283,8 +285,10 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
         if child["pid"] is None:
             child["pending"].append(signum)
         else:
+            # A stopped (frozen) child cannot act on SIGTERM, and torchrun waits 30 s before its SIGKILL.
+            stopped = signum == signal.SIGTERM and stopped_pids([child["pid"]])
             try:
-                os.kill(child["pid"], signum)
+                os.kill(child["pid"], signal.SIGKILL if stopped else signum)
             except ProcessLookupError:
                 pass
 

@@ -68,8 +68,9 @@ def test_a_sigstopped_worker_is_found_silent_by_its_peer_long_before_the_allowan
     # The live rank names the frozen one and its state, in one line; the frozen one said nothing.
     hangs = HANG.findall(output)
     assert [(r, state, step) for r, state, step, _ in hangs] == [("0", "TRAIN", "36")], output[-4000:]
+    # Named by its stopped process (/proc) at the second poll, not after its heartbeat's 3 s of staleness.
     assert re.search(r"a0\] ERROR rank 0: no progress for [\d.]+ s in state TRAIN at step 36 and rank 1's heartbeat has "
-                     r"not changed for [\d.]+ s; ", output), output[-4000:]
+                     r"not changed for [\d.]+ s and its process is stopped on this host; ", output), output[-4000:]
     assert re.match(r"rank 1 sent no heartbeat for [\d.]+ s \(last in state TRAIN at step \d+\): frozen, killed or its host "
                     rf"is gone \(rank 1 is stopped process {pid} on this host: SIGKILL", hangs[0][3]), hangs[0][3]
     assert start_steps(output) == [0, 25]

@@ -1,0 +1,30 @@
+"""What /proc says of a process: its state letter and start time; which of some processes are stopped.
+
+Torch-free: the watchdog (health/hangs.py), elastictrain-run's agent and the warm-start client read it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a process from /proc, or None (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            raw = stat_file.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def stopped_pids(pids: list[int], stat: Callable[[int], tuple[str, int] | None] = proc_stat) -> list[int]:
+    """The processes among ``pids`` that are stopped (SIGSTOP, a debugger's stop): a SIGTERM cannot reach them.
+
+    torch 2.13's agent stops a failed group on a restart with SIGTERM and waits 30 s before its
+    SIGKILL, whatever ``--shutdown-timeout`` says; elastictrain-run's agent and the warm-start
+    client SIGKILL these instead, as a frozen rank whose peers are on other nodes has no peer here
+    to do it.
+    """
+    return [pid for pid in pids if (state := stat(pid)) is not None and state[0] in ("T", "t")]
