@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import yaml
 
 from .config import load_config
-from .errors import ConfigError, ElastictrainError, PeerLost
+from .errors import ConfigError, ElastictrainError, PeerLost, was_logged
 from .fatal import claim_line, marker_path
 from .logs import flush_standard_streams
 
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ElastictrainError as exc:
-        if claim_line(exc):  # under torchrun: once per node, not once per rank and attempt
+        # Under torchrun: once per node, not once per rank and attempt; and not again after fit()'s log line.
+        if claim_line(exc) and not was_logged(exc):
             print(f"elastictrain: error: {exc}", file=sys.stderr)
         if isinstance(exc, PeerLost):
             _leave_now(exc.exit_code)
