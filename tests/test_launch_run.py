@@ -8,13 +8,12 @@ from __future__ import annotations
 import re
 import signal
 import sys
-import textwrap
 
 import pytest
 
 from elastictrain.launcher.launch import exit_code_for
 from elastictrain.storage.snapshot_store import SnapshotStore
-from tests.conftest import job_env
+from tests.conftest import REPO_ROOT, job_env
 from tests.helpers import procs
 
 TIMEOUT_S = 120
@@ -72,45 +71,7 @@ def test_a_config_error_under_the_launcher_ends_the_first_attempt_exits_2_with_i
     assert job.leftover_pids() == []
 
 
-MISUSED_SESSION = textwrap.dedent('''
-    import sys
-    import elastictrain
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-
-    config = {"run": {"dir": sys.argv[1]}, "train": {"max_epochs": 2, "batch_size": 4},
-              "log": {"plots": False, "progress_bar": False}}
-    generator = torch.Generator().manual_seed(0)
-    points = TensorDataset(torch.randn(256, 4, generator=generator), torch.randn(256, 1, generator=generator))
-
-
-    def train(session, loader, model, wrapped, optimizer):
-        for epoch in session.epochs():
-            for inputs, targets in loader:
-                loss = nn.functional.mse_loss(wrapped(inputs), targets)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                if sys.argv[2] == "steps-on-rank-0-only":
-                    if session.is_main:
-                        session.step(loss=loss)
-                    continue
-                session.step(loss=loss)
-                if session.rank == 0 and session.global_step == 5:  # rank-0-leaves
-                    return
-
-
-    with elastictrain.Session(config) as session:
-        torch.manual_seed(0)
-        model = nn.Linear(4, 1)
-        wrapped = session.wrap(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        session.register(model=model, optimizer=optimizer)
-        loader = session.loader(points)
-        session.restore()
-        train(session, loader, model, wrapped, optimizer)
-''')
+MISUSED_LOOP = REPO_ROOT / "tests" / "helpers" / "misused_loop.py"
 
 
 @pytest.mark.torchrun
@@ -124,9 +85,7 @@ MISUSED_SESSION = textwrap.dedent('''
 ])
 def test_session_step_on_some_ranks_only_ends_the_first_attempt_with_one_line_exit_2(tmp_path, misuse, line):
     # Before: a 30 s watchdog hang with stack dumps (or a lost peer), then the same in every restart.
-    script = tmp_path / "train.py"
-    script.write_text(MISUSED_SESSION)
-    job = procs.launch(wrapper_command([str(tmp_path / "run"), misuse], max_restarts=3, target=(str(script),)),
+    job = procs.launch(wrapper_command([str(tmp_path / "run"), misuse], max_restarts=3, target=(str(MISUSED_LOOP),)),
                        log_path=tmp_path / "job.log", env=job_env(), cwd=tmp_path)
     code = job.wait(TIMEOUT_S)
     output = job.output()

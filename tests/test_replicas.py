@@ -166,9 +166,24 @@ def _rank(rank: int, port: int, through_wrapper: bool, results) -> None:
         bn_means_differ = not torch.equal(*running_means)
         try:
             check.check(3, "the durable snapshot")
-            results.put((rank, None, bn_means_differ))
         except ReplicasDiverged as exc:
-            results.put((rank, str(exc), bn_means_differ))
+            results.put((rank, str(exc), bn_means_differ, None))
+            return
+        # Agreed at step 3: the run's end at step 3 (after snapshot.durable.on_done's) compares nothing again, until
+        # a rollback trains the step again. Rank 1's change stands for what would differ, were it compared.
+        if rank == 1:
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1
+        compared_again = []
+        for forget in (False, True):
+            if forget:
+                check.forget()
+            try:
+                check.check(3, "the run's end")
+                compared_again.append(False)
+            except ReplicasDiverged:
+                compared_again.append(True)
+        results.put((rank, None, bn_means_differ, compared_again))
     finally:
         teardown(ctx)  # not a bare destroy_process_group(): gloo's threads can abort the exit (dist.teardown says why)
 
@@ -185,13 +200,15 @@ def test_on_two_gloo_ranks_ddp_passes_and_the_raw_module_stops_both_ranks_naming
     for worker in workers:
         worker.start()
     try:
-        said, bn_means_differ = {}, []
+        said, bn_means_differ, compared_again = {}, [], {}
         for _ in workers:
-            rank, message, differ = results.get(timeout=60)
+            rank, message, differ, again = results.get(timeout=60)
             said[rank] = message
             bn_means_differ.append(differ)
+            compared_again[rank] = again
         if through_wrapper:
             assert said == {0: None, 1: None}
+            assert compared_again == {0: [False, True], 1: [False, True]}  # skipped at the same step; after forget(), not
         else:
             assert said[0] == said[1] and said[0].startswith(
                 "the ranks' replicas differ at step 3, before the durable snapshot: ranks 0 | 1 hold different 'model' "

@@ -5,6 +5,7 @@ No launcher: a plain ``with Session(...)`` in the test process, snapshots on mem
 
 from __future__ import annotations
 
+import sys
 import uuid
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.core.errors import SnapshotError, UsageError
+from elastictrain.core.errors import ConfigError, SnapshotError, UsageError
 from elastictrain.train.session import Session
 
 
@@ -351,3 +352,34 @@ def test_a_key_that_does_nothing_as_set_is_one_warning_at_restore(tmp_path, caps
     assert err.count("these keys do nothing as set:") == 1
     assert "WARNING these keys do nothing as set: snapshot.local.every_steps=2 (needs snapshot.local.url: the fast " \
            "tier is off; set it to a node-local path such as /dev/shm)\n" in err, err
+
+
+def uncaught(capsys, raised: pytest.ExceptionInfo) -> tuple[int, str]:
+    """What Python's hook (elastictrain's, installed on import) does with ``raised`` left uncaught: exit code, stderr."""
+    with pytest.raises(SystemExit) as exited:
+        sys.excepthook(raised.type, raised.value, raised.tb)
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_a_misuse_left_uncaught_is_said_once_by_the_session_s_log_line(tmp_path, capsys):
+    def body(session):
+        model = mlp()
+        session.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        session.loader(points())
+        session.step(loss=1.0)
+
+    with pytest.raises(UsageError) as raised:
+        with Session(config(tmp_path)) as session:
+            body(session)
+    logged = capsys.readouterr().err
+    code, printed = uncaught(capsys, raised)
+    assert code == 2 and printed == "", printed  # the hook ends the script without saying it again
+    assert logged.count(str(raised.value)) == 1, logged
+
+
+def test_an_error_before_the_session_logs_is_said_once_by_the_hook(tmp_path, capsys):
+    with pytest.raises(ConfigError) as raised:
+        Session({"train": {"max_epoch": 1}})
+    code, printed = uncaught(capsys, raised)
+    assert (code, printed) == (2, "elastictrain: error: invalid config (config dict): unknown key 'train.max_epoch' "
+                                  "(did you mean 'train.max_epochs'?)\n")

@@ -1,8 +1,9 @@
 """Exactly-once tracking under real torchrun: examples/accumulation.py (the custom-loop API, with a metric the user
-logs) writes to TensorBoard and to a real ``mlflow server`` on 127.0.0.1. An unbroken run, and a run whose workers
-get 3 SIGKILLs at random steps and whose agent then gets a preemption, relaunched to the end, are read back with the
-trackers' own readers (TensorBoard's event file loader, ``MlflowClient.get_metric_history``): the same series, every
-(name, step) once, bitwise; one MLflow run across the 5 attempts; restarts as markers at the steps restored.
+logs) writes to TensorBoard and to a real ``mlflow server`` on 127.0.0.1. An unbroken run (its MLflow server hung for
+30 steps of it), and a run whose workers get 3 SIGKILLs at random steps and whose agent then gets a preemption,
+relaunched to the end, are read back with the trackers' own readers (TensorBoard's event file loader,
+``MlflowClient.get_metric_history``): the same series, every (name, step) once, bitwise; one MLflow run across the 5
+attempts; restarts as markers at the steps restored.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -84,26 +86,66 @@ def mlflow_run(server: MlflowServer, experiment: str):
     return run, {name: sorted(points) for name, points in series.items()}
 
 
+def wait_for_the_mlflow_run(server: MlflowServer, experiment: str, job: procs.Launched) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server.uri)
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = client.get_experiment_by_name(experiment)
+        if found is not None and client.search_runs([found.experiment_id]):
+            return
+        assert job.proc.poll() is None, job.output()[-4000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no MLflow run in experiment {experiment} after {TIMEOUT_S} s:\n{job.output()[-4000:]}")
+
+
+@dataclass(frozen=True)
+class Unbroken:
+    workdir: Path
+    output: str
+    woken_unix: float  # when the MLflow server was woken
+
+
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory, mlflow_server):
+def unbroken(tmp_path_factory, mlflow_server) -> Unbroken:
+    """One run of one attempt, its MLflow server SIGSTOPped from step 10 until step 40 (the tracker thread's calls in
+    flight). Nothing of what trains waits for the trackers, so it is also the reference the killed run must equal: one
+    launch checked both ways."""
     workdir = tmp_path_factory.mktemp("unbroken")
-    job = launch(workdir, "job", mlflow_server)
+    pauses, outage = "0@10,0@40", {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}  # a hung request fails after 3 s
+    # Rank 0 waits at step 40 until the timeout is seen: no hang for the watchdog.
+    job = launch(workdir, "job", mlflow_server, pauses, ["watchdog.hang_timeout_s=120"], outage)
+    try:
+        procs.wait_for_file(workdir / "paused-rank0-step10.pid", TIMEOUT_S, job)
+        # Its MLflow run made first: a server that comes back just before the run's end answers the points at once
+        # (the first calls on a fresh server take seconds on a loaded machine, longer than the end waits for them).
+        wait_for_the_mlflow_run(mlflow_server, workdir.name, job)
+        mlflow_server.hang()
+        (workdir / "paused-rank0-step10.resume").touch()
+        procs.wait_for_file(workdir / "paused-rank0-step40.pid", TIMEOUT_S, job)  # 30 steps, 6 snapshots, no wait
+        job.wait_for(lambda out: "track: mlflow failed" in out, 60, "the warning that names the tracker")
+        woken_unix = time.time()
+    finally:
+        mlflow_server.wake()
+    (workdir / "paused-rank0-step40.resume").touch()
     assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
     procs.kill_all_launched()
-    return workdir
+    return Unbroken(workdir, job.output(), woken_unix)
 
 
 @pytest.mark.torchrun
 def test_an_unbroken_run_writes_every_step_of_every_metric_once_with_the_config_and_summary(unbroken, mlflow_server):
-    board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
+    board = series_of(tensorboard_points(unbroken.workdir / "run" / "tensorboard"))
     assert set(board) == {"train_loss", "train_accuracy", "lr"}  # train_accuracy: the value the example logs
     log_steps = sorted({*range(3, STEPS + 1, 3), *range(16, STEPS + 1, 16)})  # every 3 steps and each epoch's end
     assert all([step for step, _ in points] == log_steps for points in board.values()), board
-    assert sorted(text_tags(unbroken / "run" / "tensorboard")) == ["elastictrain/core/config/text_summary",
-                                                                   "elastictrain/train/summary/text_summary"]
-    run, series = mlflow_run(mlflow_server, unbroken.name)
+    assert sorted(text_tags(unbroken.workdir / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
+                                                                           "elastictrain/summary/text_summary"]
+    run, series = mlflow_run(mlflow_server, unbroken.workdir.name)
     assert set(series) == set(board)
-    for name, points in series.items():  # MLflow keeps the float64 that TensorBoard rounds to float32
+    # MLflow keeps the float64 that TensorBoard rounds to float32; the points of MLflow's outage included.
+    for name, points in series.items():
         assert [(step, float(numpy.float32(value))) for step, value in points] == board[name]
     assert run.data.params["train.log_every_steps"] == "3" and run.data.params["track.tensorboard"] == "true"
     assert run.info.status == "FINISHED" and run.data.tags["summary.global_step"] == str(STEPS)
@@ -137,61 +179,46 @@ def test_three_sigkills_and_a_preemption_give_the_unbroken_runs_series_each_step
     assert len(restored) == 4 and restored[0] == 0 and all(step > 0 for step in restored[1:]), restored
 
     board = series_of(tensorboard_points(tmp_path / "run" / "tensorboard"))
-    expected_board = series_of(tensorboard_points(unbroken / "run" / "tensorboard"))
+    expected_board = series_of(tensorboard_points(unbroken.workdir / "run" / "tensorboard"))
     # A marker at each restart's step, valued with the attempts the run's snapshots know of (the fresh restart's one).
     assert sorted(board.pop(MARKER)) == list(zip(sorted(restored), [1, 2, 3, 4]))
     once_each(board)
     assert board == expected_board  # bitwise: the same float32 at every step
     run, series = mlflow_run(mlflow_server, tmp_path.name)
-    _, expected = mlflow_run(mlflow_server, unbroken.name)
+    _, expected = mlflow_run(mlflow_server, unbroken.workdir.name)
     markers = series.pop(MARKER)
     once_each(series)
     assert series == expected  # bitwise: the same float64 at every step
     assert sorted(markers) == list(zip(sorted(restored), [1, 2, 3, 4]))
-    assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/core/config/text_summary",
-                                                                   "elastictrain/train/summary/text_summary"]
+    assert sorted(text_tags(tmp_path / "run" / "tensorboard")) == ["elastictrain/config/text_summary",
+                                                                   "elastictrain/summary/text_summary"]
     assert run.info.status == "FINISHED" and run.data.tags["summary.attempts"] == "4"
 
 
 @pytest.mark.torchrun
 def test_a_hung_mlflow_server_costs_the_run_no_stall_and_no_restart_and_its_points_follow_once_it_answers(
-        tmp_path, unbroken, mlflow_server):
-    """The server SIGSTOPped from step 10 until step 40 (the tracker thread's calls in flight, its start too on a
-    loaded machine): training goes on past 6 snapshots without waiting, the one attempt ends, and the points of the
-    outage reach MLflow once it answers, each once (calls that timed out and were sent again included), each with the
-    time it was measured."""
-    pauses, outage = "0@10,0@40", {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}  # a hung request fails after 3 s
-    # Rank 0 waits at step 40 until the timeout is seen: no hang for the watchdog.
-    job = launch(tmp_path, "hung", mlflow_server, pauses, ["watchdog.hang_timeout_s=120"], outage)
-    try:
-        procs.wait_for_file(tmp_path / "paused-rank0-step10.pid", TIMEOUT_S, job)
-        mlflow_server.hang()
-        (tmp_path / "paused-rank0-step10.resume").touch()
-        procs.wait_for_file(tmp_path / "paused-rank0-step40.pid", TIMEOUT_S, job)  # 30 steps, 6 snapshots, no wait
-        job.wait_for(lambda out: "track: mlflow failed" in out, 60, "the warning that names the tracker")
-        woken_unix = time.time()
-    finally:
-        mlflow_server.wake()
-    (tmp_path / "paused-rank0-step40.resume").touch()
-    assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
-    output = job.output()
+        unbroken, mlflow_server):
+    """The unbroken run's server hung from step 10 until step 40: training went on past 6 snapshots without waiting,
+    the one attempt ended, and the points of the outage reached MLflow once it answered, each once (calls that timed
+    out and were sent again included; each equal to TensorBoard's: the test above), each with the time it was
+    measured."""
+    output = unbroken.output
     assert start_steps(output) == [0] and parse_job(output).summary["restart"] == "0", output[-4000:]
     assert "lost a peer" not in output
     outages = len(re.findall(r"track: mlflow failed in .*training goes on", output))
     assert outages >= 1 and len(re.findall(r"track: mlflow answers again after", output)) == outages, output[-4000:]
 
-    run, series = mlflow_run(mlflow_server, tmp_path.name)
-    _, expected = mlflow_run(mlflow_server, unbroken.name)
+    run, series = mlflow_run(mlflow_server, unbroken.workdir.name)
     once_each(series)
-    assert series == expected  # every point, once, bitwise
     assert run.info.status == "FINISHED"
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(tracking_uri=mlflow_server.uri).get_metric_history(run.info.run_id, "train_loss")
+    assert sorted(metric.step for metric in history) == sorted(step for step, _ in series["train_loss"])
     times = [metric.timestamp for metric in sorted(history, key=lambda metric: metric.step)]
     assert times == sorted(times) and len(set(times)) == len(times), times  # each point its own time, in order
     measured_in_outage = [metric.timestamp / 1000 for metric in history if 10 < metric.step < 40]
-    assert measured_in_outage and max(measured_in_outage) < woken_unix, "points carry when they were measured"
+    assert measured_in_outage and max(measured_in_outage) < unbroken.woken_unix, "points carry when they were measured"
 
 
 def attempt(directory: Path, history: list[dict], restored_step: int, restart_count: int) -> tuple[Tracking, RunState]:

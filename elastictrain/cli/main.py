@@ -20,8 +20,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import yaml
 
 from elastictrain.core.config import load_config
-from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line
-from elastictrain.core.excepthook import say_user_error
+from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost
 from elastictrain.core.fatal import marker_path
 from elastictrain.core.logs import flush_standard_streams
 

@@ -95,7 +95,21 @@ class PeerLost(ElastictrainError):
 
 
 TRACEBACK_ENV = "ELASTICTRAIN_TRACEBACK"
-LOGGED = "_elastictrain_logged"  # on a bug's exception: its traceback is in the log already (failures.py)
+LOGGED = "_elastictrain_logged"  # on an exception: this process logged it already (failures.py)
+
+
+def mark_logged(exc: BaseException) -> None:
+    """Say that this process has logged ``exc`` (its line, or a bug's traceback): Python's hook and the command line
+    then end the process with its exit code and print nothing more, so the user reads it once."""
+    try:
+        setattr(exc, LOGGED, True)
+    except AttributeError:  # an exception type with __slots__: printed twice rather than lost
+        pass
+
+
+def was_logged(exc: BaseException) -> bool:
+    """True when this process has logged ``exc`` already (``mark_logged``)."""
+    return getattr(exc, LOGGED, False)
 
 
 def one_line(exc: BaseException, limit: int | None = None, kind: bool = False) -> str:

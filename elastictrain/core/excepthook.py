@@ -3,7 +3,8 @@
 Importing this module installs a ``sys.excepthook`` that prints ``elastictrain: error: <message>``
 for an :class:`~elastictrain.core.errors.ElastictrainError` and exits with the error's code, so a
 ConfigError from ``Trainer(..., overrides=sys.argv[1:])`` in a user's script reads like the command
-line's. Under torchrun the line is said once per node (fatal.py). Every other exception goes to the
+line's. Under torchrun the line is said once per node (fatal.py); an error its session logged
+(failures.py) is not printed again. Every other exception goes to the
 hook that was there before, traceback and all, unless the session that saw it logged its traceback
 already (then it exits 1 without a second copy). ``ELASTICTRAIN_TRACEBACK=1`` shows the traceback
 of user errors too.
@@ -15,7 +16,7 @@ import contextlib
 import sys
 from types import TracebackType
 
-from elastictrain.core.errors import LOGGED, ElastictrainError, tracebacks_wanted
+from elastictrain.core.errors import ElastictrainError, tracebacks_wanted, was_logged
 from elastictrain.core.fatal import claim_line
 
 _previous_excepthook = sys.excepthook
@@ -27,7 +28,8 @@ def _print_user_error(exc_type: type[BaseException], exc: BaseException, tb: Tra
 
 
 def _exit_if_said(exc: BaseException) -> None:
-    """SystemExit for an ElastictrainError (said in one line first) or a bug whose traceback is logged already."""
+    """SystemExit for an ElastictrainError (said in one line first, unless its session logged it) or a bug whose
+    traceback is logged already."""
     if isinstance(exc, ElastictrainError) and not tracebacks_wanted():
         with contextlib.suppress(OSError, ValueError):  # a closed stdout must not hide the message
             sys.stdout.flush()  # what the script printed comes first, as with a traceback
@@ -35,14 +37,14 @@ def _exit_if_said(exc: BaseException) -> None:
         # CPython exits with this code when an excepthook raises SystemExit, so a script's
         # config error ends with 2, as on the command line.
         raise SystemExit(exc.exit_code)
-    if getattr(exc, LOGGED, False):  # a bug whose traceback the rank that had it logged: once is enough
+    if was_logged(exc):  # a bug whose traceback the rank that had it logged: once is enough
         raise SystemExit(1)
 
 
 def say_user_error(exc: ElastictrainError) -> None:
     """Print ``elastictrain: error: <message>`` on stderr: the one line a user error is, said once per node under
-    torchrun (fatal.py), not once per rank and attempt."""
-    if claim_line(exc):
+    torchrun (fatal.py), not once per rank and attempt, and not again after its session's log line."""
+    if claim_line(exc) and not was_logged(exc):
         print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
 
 

@@ -3,8 +3,9 @@
 An elastictrain error (bad input, a store that is gone) is one line, said once on the node
 (fatal.py), and recorded for the restarts when no restart can help; a signal during SETUP ends the
 rank quietly; a collective that failed because a peer went away becomes ``PeerLost``, which the
-launcher's restart answers. Anything else is a bug: its traceback is logged, once (the exception
-is marked, so the uncaught exception's hook does not print it again), unless an earlier attempt
+launcher's restart answers. The line is logged, and the exception marked, so neither the uncaught
+exception's hook nor the command line prints it again. Anything else is a bug: its traceback is
+logged, once (marked likewise), unless an earlier attempt
 crashed the same way at the same step: then it is ``RepeatedCrash``, one line, and no restart
 follows (repeats.py).
 """
@@ -18,7 +19,7 @@ import torch
 
 from elastictrain.dist import group as dist
 from elastictrain.core.errors import (
-    LOGGED, ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, one_line,
+    ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, mark_logged,
 )
 from elastictrain.core.fatal import claim_line
 from elastictrain.core.repeats import record_crash
@@ -37,10 +38,10 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
             requeue_slurm_job()
     elif isinstance(exc, RepeatedFatalError):
         if claim_line(exc):  # under torchrun: said once on this node (fatal.py)
-            log.error("rank %s: %s", rank, exc)
+            _log_error(exc, "rank %s: %s", rank, exc)
     elif isinstance(exc, ElastictrainError):
         if claim_line(exc):
-            log.error("rank %s stopped in state %s at step %d: %s", rank, state, step, exc)
+            _log_error(exc, "rank %s stopped in state %s at step %d: %s", rank, state, step, exc)
         if not exc.retryable:
             dist.record_fatal_error(ctx, exc)
     elif is_peer_loss(exc):
@@ -51,7 +52,7 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
         else:
             lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); "
                             "the launcher restarts the group from the newest snapshot")
-        log.error("%s", lost)
+        _log_error(lost, "%s", lost)
         return lost
     else:
         first = record_crash(exc, step)
@@ -61,15 +62,19 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
                 f"attempt {first.restart} on rank {first.rank} (its traceback is above): a restart replays the same "
                 "steps, so this is a bug to fix, not a fault; no more restarts, every snapshot is kept")
             if claim_line(repeated):
-                log.error("rank %s: %s", rank, repeated)
+                _log_error(repeated, "rank %s: %s", rank, repeated)
             dist.record_fatal_error(ctx, repeated)
             return repeated
-        log.exception("rank %s failed in state %s at step %d", rank, state, step)
-        try:
-            setattr(exc, LOGGED, True)
-        except AttributeError:  # an exception type with __slots__: printed twice rather than lost
-            pass
+        _log_error(exc, "rank %s failed in state %s at step %d", rank, state, step, traceback=True)
     return None
+
+
+def _log_error(exc: BaseException, message: str, *args: object, traceback: bool = False) -> None:
+    """Log the line that says ``exc`` (a bug: with its traceback); marked, so that neither Python's hook nor the
+    command line prints it again."""
+    log.error(message, *args, exc_info=exc if traceback else None)
+    if log.isEnabledFor(logging.ERROR):  # log.level=CRITICAL: what the hook prints is all the user reads
+        mark_logged(exc)
 
 
 def report_left_early(rank: str, step: int, last_committed: tuple[int, float] | None, ctx: dist.DistContext | None) -> None:

@@ -96,22 +96,31 @@ def describe(step: int, before: str, mismatch: Mismatch) -> str:
 
 
 class ReplicaCheck:
-    """Every rank, at a snapshot or the run's end: the registered models and optimizers are the same on every rank."""
+    """Every rank, at a snapshot or the run's end: the registered models and optimizers are the same on every rank.
+
+    Once per step: the run's end after a snapshot of its last step (``snapshot.durable.on_done``) has nothing new
+    to compare, since nothing trains between the two. A rollback (``forget``) trains that step again."""
 
     def __init__(self, ctx: DistContext, objects: dict[str, Any], enabled: bool) -> None:
         self.ctx = ctx
         self.objects = {name: obj for name, obj in objects.items() if isinstance(obj, (nn.Module, torch.optim.Optimizer))}
         self.enabled = enabled and ctx.world_size > 1 and bool(self.objects)
+        self.agreed_step: int | None = None  # the step whose replicas were found equal last
 
     def check(self, step: int, before: str) -> None:
         """Raise ReplicasDiverged on every rank alike when any rank's replicated state differs from another's."""
-        if not self.enabled:
+        if not self.enabled or step == self.agreed_step:  # every rank skips alike: each saw the same steps agree
             return
         started = time.perf_counter()
         mismatch = disagreements(all_gather(fingerprint(self.objects), self.ctx))
         if mismatch is not None:
             raise ReplicasDiverged(describe(step, before, mismatch))
+        self.agreed_step = step
         log.debug("replicas agree at step %d (%.1f ms)", step, (time.perf_counter() - started) * 1e3)
+
+    def forget(self) -> None:
+        """After a rollback: the steps from the snapshot on are trained again, and checked again."""
+        self.agreed_step = None
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -81,6 +81,7 @@ class SnapshotTiers:
         if self.local is not None and self.local.is_writer:
             for report in self.local.finish_writes():
                 self._snapshotted(report)
+        self.replicas.forget()  # the steps from the snapshot on are trained again
         return self.durable.roll_back(self.local, keep)
 
     def begin(self, started_unix: float) -> None:
