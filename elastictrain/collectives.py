@@ -77,6 +77,7 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
     if not ctx.distributed:
         return dict(payloads or {})
     sending = ctx.rank == src
+    payloads = payloads or {}  # rank src gives them; the others pass None
     sizes = broadcast_from_main({name: len(data) for name, data in payloads.items()} if sending else None, ctx, src)
     received: dict[str, Any] = {}
     for name, size in sizes.items():
@@ -88,7 +89,7 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
             tensor = torch.empty(size, dtype=torch.uint8)
         on_device = tensor.to(ctx.device) if ctx.backend == "nccl" else tensor
         dist.broadcast(on_device, src=src)
-        received[name] = payloads[name] if sending else memoryview(on_device.cpu().numpy()).toreadonly()
+        received[name] = payloads[name] if sending else on_device.cpu().numpy().data.toreadonly()
     return received
 
 

@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal, Union
 
 import yaml
@@ -45,7 +46,7 @@ class _Section(BaseModel):
     def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads true as 1 for an int or float: train.batch_size=true would train with batch 1.
         # A key's own validator (YAML's bare `off` for false) runs before this one.
-        kind = number_kind(cls.model_fields[info.field_name].annotation)
+        kind = number_kind(cls.model_fields[info.field_name].annotation) if info.field_name else None
         items = value if kind == "list" and isinstance(value, list) else [value] if kind else []
         if any(isinstance(item, bool) for item in items):
             raise ValueError("a boolean where a number is meant; write the number")
@@ -58,8 +59,8 @@ def number_kind(annotation: Any) -> str | None:
         return number_kind(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is list:
         return "list" if number_kind(typing.get_args(annotation)[0]) else None
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in members]
+    union = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in union]
     if bool in members:
         return None
     return "number" if any(m in (int, float) for m in members) else None
@@ -177,11 +178,14 @@ class SnapshotConfig(_Section):
 
 
 
+PreemptSignal = Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]
+
+
 class PreemptConfig(_Section):
     # On one of these signals every rank finishes its step, rank 0 commits a snapshot and the
     # workers exit with code 143 (128 + SIGTERM), which every launcher treats as "terminated".
-    signals: list[Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"]
+    signals: list[PreemptSignal] = Field(
+        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGINT", "SIGUSR1"])
     )
     requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
     # The ranks agree on signals (and rank 0's snapshot timer) at most once per step and at most this
@@ -392,7 +396,7 @@ def _is_secret_name(name: str) -> bool:
     return any(word in lowered for word in _SECRET_WORDS) and lowered not in ("key_prefix", "sse_kms_key_id")
 
 
-def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: list[str] = ()) -> Config:
+def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: Sequence[str] = ()) -> Config:
     """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
     if isinstance(overrides, str):  # list("a=b") would be the overrides 'a', '=', 'b'
         raise ConfigError(f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: "

@@ -60,6 +60,6 @@ def apply(settings: DeterminismSettings | None, environ: MutableMapping[str, str
     if settings is None:
         return None
     if settings.deterministic_algorithms:
-        environ[CUBLAS_VARIABLE] = settings.cublas_workspace_config
+        environ[CUBLAS_VARIABLE] = settings.cublas_workspace_config or CUBLAS_WORKSPACE
         torch.use_deterministic_algorithms(True)
     return settings.line()

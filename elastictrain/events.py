@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from .states import State
@@ -103,7 +104,7 @@ class Observers(Observer):
     Observation must never stop training: a broken exporter loses its metrics, not the run.
     """
 
-    def __init__(self, observers: list[Observer] = ()) -> None:
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers = list(observers)
 
     def add(self, observer: Observer) -> None:

@@ -111,6 +111,7 @@ class VirtualShards:
                 partner = rank ^ bit
                 exchange = [torch_dist.isend(summed, partner), torch_dist.irecv(self._received, partner)]
                 for request in exchange:
+                    assert request is not None  # None only on a rank outside the group
                     request.wait()
                 if rank < partner:
                     summed.add_(self._received)  # lower + higher

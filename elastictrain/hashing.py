@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import IO, BinaryIO, Callable, cast
 
 from elastictrain.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
 
@@ -40,7 +40,7 @@ class HashingWriter:
     242 ms per 205 MB commit, 15 interleaved pairs): the helper competes with the write for a core.
     """
 
-    def __init__(self, raw: BinaryIO, timings: CommitTimings):
+    def __init__(self, raw: IO[bytes], timings: CommitTimings):
         self._raw = raw
         self._hasher = CHECKSUMS[CHECKSUM]()
         self._size = 0
@@ -72,11 +72,11 @@ class HashingWriter:
     def entry(self) -> ObjectEntry:
         return ObjectEntry(size=self._size, algorithm=CHECKSUM, digest=self._hasher.hexdigest())
 
-    def run(self, writer: Callable[[BinaryIO], None]) -> None:
+    def run(self, writer: Callable[[BinaryIO], object]) -> None:
         """Run ``writer`` into this file, counting the time it spends outside write() as serialisation."""
         before = self._timings.write_s + self._timings.hash_s
         started = time.perf_counter()
-        writer(self)
+        writer(cast(BinaryIO, self))  # write/flush/tell/writable/seekable: what torch.save and the writers call
         in_writes = self._timings.write_s + self._timings.hash_s - before
         self._timings.serialise_s += time.perf_counter() - started - in_writes
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from torch.utils.data import DataLoader, Dataset
 
-from .data import EvalBatchSampler, make_loader
+from .data import EvalBatchSampler, make_loader, samples_in
 
 # key -> (what applies it, where a loop must have asked by: "restore" or "first step")
 ASKED_THROUGH = {
@@ -65,5 +65,5 @@ def _values(cfg: Any) -> dict[str, Any]:
 
 def validation_loader(dataset: Dataset, collate_fn: Callable | None, rank: int, world_size: int, cfg: Any) -> DataLoader:
     """This rank's share of ``dataset`` (every sample once over all ranks) in batches of ``data.val_batch_size``."""
-    sampler = EvalBatchSampler(len(dataset), rank, world_size, cfg.data.val_batch_size)
+    sampler = EvalBatchSampler(samples_in(dataset), rank, world_size, cfg.data.val_batch_size)
     return make_loader(dataset, sampler, cfg.data.num_workers, cfg.run.seed, collate_fn, seed_in_process=False)

@@ -28,7 +28,7 @@ MANIFEST_FORMAT = "elastictrain-snapshot"
 SNAPSHOT_ID = re.compile(r"^step-(\d+)$")
 
 # Algorithm name (as the manifest records it) -> a new hasher with update() and hexdigest().
-CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128}
+CHECKSUMS: dict[str, Callable[..., Any]] = {"xxh3_128": xxhash.xxh3_128}  # name -> hasher(optional first bytes)
 CHECKSUM = "xxh3_128"  # what new snapshots record
 
 

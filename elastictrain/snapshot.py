@@ -251,7 +251,7 @@ def without_compile_wrapper(weights: dict[str, Any], own: dict[str, Any]) -> dic
     renamed = OrderedDict((plain(key), value) for key, value in weights.items())
     metadata = getattr(weights, "_metadata", None)
     if metadata is not None:  # per-module versions load_state_dict reads (BatchNorm's), under the plain names
-        renamed._metadata = {plain(key): value for key, value in metadata.items()}
+        renamed._metadata = {plain(key): value for key, value in metadata.items()}  # type: ignore[attr-defined]  # as torch
     return renamed
 
 

@@ -54,7 +54,7 @@ def finding_of(norm: float | None, spike: bool, loss: float | None, host: str = 
     own_loss = loss is not None and not math.isfinite(loss)
     if norm is not None and (not math.isfinite(norm) or spike):
         return Finding("gradient norm", norm, spike, own_loss, host)
-    if own_loss:
+    if own_loss and loss is not None:
         return Finding("loss", loss, own_loss=True, host=host)
     return None
 

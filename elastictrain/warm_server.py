@@ -56,7 +56,8 @@ def serve(base: str, lock_fd: int, agent_fd: int) -> ChildJob | None:
     children: dict[int, tuple[int, socket.socket]] = {}  # child pidfd -> (pid, connection)
     try:
         while True:
-            readable, _, _ = select.select([listener, agent_fd, *children], [], [])
+            waiting: list[socket.socket | int] = [listener, agent_fd, *children]
+            readable, _, _ = select.select(waiting, [], [])
             if agent_fd in readable:
                 return None
             for fd in readable:
@@ -160,6 +161,7 @@ def run_target(module: str | None, script: str | None, args: list[str] | tuple[s
         sys.path[0] = cwd
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
+        assert script is not None  # a module or a script: the wrapper's parser requires one
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")

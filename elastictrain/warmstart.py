@@ -294,7 +294,7 @@ def server_pids(agent_pid: int) -> list[int]:
 
 
 def _run_warm(connection: socket.socket, target: Target) -> None:
-    child = {"pid": None, "pending": []}
+    child: dict[str, Any] = {"pid": None, "pending": []}
 
     def forward(signum: int, _frame: object) -> None:
         if child["pid"] is None:
