@@ -435,7 +435,7 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     return norm_of([p.grad for p in parameters if p.grad is not None])
 
 
-def clipping_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+def clipping_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of the gradients as ``clip_grad_norm_`` computes it (its first half, FSDP's shards as
     one), a tensor to hand to ``torch.nn.utils.clip_grads_with_norm_`` (its second half): one norm, read once."""
     return full_value(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0))

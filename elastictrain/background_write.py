@@ -71,6 +71,7 @@ class BackgroundWrites:
             self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self.failed, flight.write_s,
                                                 self.tier))
             return
+        assert flight.outcome is not None  # the write returned (no crash)
         committed, size, error, stop = flight.outcome
         if stop:
             self.failed = error

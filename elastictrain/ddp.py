@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import nn
 

@@ -47,6 +47,7 @@ class Health:
         self.anomalies.attach(ctx, events)
 
     def beat(self, step: int) -> None:
+        assert self.watchdog is not None, "attach() first"
         self.watchdog.beat(step)
 
     def requests(self, tiers: SnapshotTiers, step: int) -> Requests:
@@ -60,10 +61,12 @@ class Health:
 
     def post(self, tiers: SnapshotTiers, step: int) -> Requests:
         """At a step boundary: what the ranks agreed at the previous vote; this rank's requests travel meanwhile."""
+        assert self.vote is not None, "attach() first"
         return self.vote.post(lambda: self.requests(tiers, step), step)
 
     def settle(self, tiers: SnapshotTiers, step: int) -> Requests:
         """Leaving a state: nothing in flight, everything every rank asked for."""
+        assert self.vote is not None, "attach() first"
         return self.vote.settle(self.requests(tiers, step), step)
 
     def announce(self, step: int) -> None:

@@ -11,7 +11,8 @@ spikes are judged against) and ``tracking`` (the tracker run ids). A rollback re
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from .anomalies import AnomalyLog, GradNormStatistic
 from .geometry import BatchGeometry
@@ -26,7 +27,7 @@ ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies", "tracking")
 
 
 class RunState:
-    def __init__(self, intra_op_threads: int | str, skip_samples: list[int] = ()) -> None:
+    def __init__(self, intra_op_threads: int | Literal["auto", "off"], skip_samples: Iterable[int] = ()) -> None:
         self.progress = Progress()
         self.history = History()
         self.run_log = RunLog()

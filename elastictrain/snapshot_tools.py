@@ -103,6 +103,7 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
     """Read every object of every snapshot and check its size and checksum against the manifest."""
     rows = []
     for listing in listings:
+        row: dict[str, Any]
         try:
             manifest, payload = store.read_verified(listing.snapshot_id)
             row = {"valid": True, "problem": None, "objects": len(payload),

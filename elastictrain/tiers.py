@@ -132,6 +132,7 @@ class SnapshotTiers:
     def take_local(self, meta: dict[str, Any], wall_s: float) -> None:
         """LOCAL_SNAPSHOT: each node's fast copy of this step."""
         progress = self.state.progress
+        assert self.local is not None  # local_due() is False without the tier
         self.replicas.check(progress.global_step, "the fast copy")
         progress.last_local_snapshot_step = progress.global_step
         self.state.run_log.current["wall_s"] = wall_s

@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from .warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 from .warm_server import ChildJob, cuda_initialized, run_child, run_target, serve
@@ -97,13 +98,13 @@ def parse(argv: list[str]) -> Target | None:
 def _interpreter_flags() -> list[str]:
     import subprocess  # only the cold path needs it
 
-    flags = list(subprocess._args_from_interpreter_flags())
+    flags = list(subprocess._args_from_interpreter_flags())  # type: ignore[attr-defined]  # private, not in typeshed
     if getattr(sys.stdout, "write_through", False) and "-u" not in flags:
         flags.append("-u")  # torchrun starts workers with -u
     return flags
 
 
-def run_cold(target: Target) -> None:
+def run_cold(target: Target) -> NoReturn:
     """Become the worker: exec the interpreter on the target, as torchrun would have."""
     head = ["-m", target.module] if target.module else [target.script]
     argv = [sys.executable, *_interpreter_flags(), *head, *target.args]

@@ -82,7 +82,7 @@ class Watchdog(Observer):
         self._state_visit = (State.SETUP, 0, clock())  # (state, step, entered at)
         self._step = 0
         # The watchdog thread's own bookkeeping.
-        self._seen_marks = (None, 0)  # (beat step, trained count) at the last check
+        self._seen_marks: tuple[int | None, int] = (None, 0)  # (beat step, trained count) at the last check
         self._last_progress = clock()
         self._trained_once = False
         self._longest_step_s = 0.0
@@ -242,6 +242,7 @@ class Watchdog(Observer):
     def _read_heartbeats(self) -> dict[int, Heartbeat | None]:
         """Every other rank's latest heartbeat from the store (None: none published yet); store errors propagate."""
         info = self._info
+        assert info is not None and info.store is not None  # _peer_heartbeats checked
         keys = {rank: self._key(rank) for rank in range(info.world_size) if rank != info.rank}
         if not keys:
             return {}
@@ -292,7 +293,7 @@ class Watchdog(Observer):
             log.debug("watchdog could not write %s", key, exc_info=True)
 
     def _key(self, rank: int) -> str:
-        return f"watchdog/round-{self._info.round_id}/rank-{rank}"
+        return f"watchdog/round-{self._info.round_id if self._info else 0}/rank-{rank}"
 
     def _verdict_key(self) -> str:
         return f"watchdog/round-{self._info.round_id if self._info else ''}/hang"

@@ -172,15 +172,17 @@ def attach_trackers(cfg: Config, events: Observers, run: TrackedRun) -> None:
     track = cfg.track
     trackers: list[TrackerThread] = []
     if track.tensorboard:
-        from .tensorboard_backend import TensorBoardBackend, check_installed
+        from .tensorboard_backend import TensorBoardBackend
+        from .tensorboard_backend import check_installed as check_tensorboard
 
-        check_installed()
+        check_tensorboard()
         directory = track.tensorboard_dir or f"{cfg.run_dir}/tensorboard"
         trackers.append(TrackerThread("tensorboard", lambda: TensorBoardBackend(directory)))
     if track.mlflow_uri:
-        from .mlflow_backend import MlflowBackend, check_installed
+        from .mlflow_backend import MlflowBackend
+        from .mlflow_backend import check_installed as check_mlflow
 
-        check_installed(track.mlflow_uri)
+        check_mlflow(track.mlflow_uri)
         experiment = track.mlflow_experiment or cfg.run.name
         trackers.append(TrackerThread("mlflow", lambda: MlflowBackend(track.mlflow_uri, experiment, cfg.run.name)))
     if trackers:
