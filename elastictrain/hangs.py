@@ -94,7 +94,7 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     ]
     if silent:
         return "; ".join(silent) + ": frozen, killed or its host is gone"
-    beats = [beat for _, beat in sorted(live.items())]
+    beats = [beat for _, beat in sorted(live.items()) if beat is not None]  # none is None: those were silent
     if not beats:
         return "no rank is left running"
     top = max(beat.step for beat in beats)

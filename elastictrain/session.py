@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
@@ -65,8 +66,8 @@ class Session:
     """One process's part of an elastictrain run. ``config``: a Config, a dict, a YAML path or None
     (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events."""
 
-    def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
-                 observers: list[Observer] = ()) -> None:
+    def __init__(self, config: Config | dict | str | None = None, overrides: Sequence[str] = (), *,
+                 observers: Iterable[Observer] = ()) -> None:
         self.cfg = load_config(config, overrides)
         self.state = RunState(self.cfg.train.intra_op_threads, self.cfg.anomaly.skip_samples)
         self.machine = StateMachine()
@@ -241,7 +242,7 @@ class Session:
             seed_rng(self.cfg.run.seed + ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.tiers.url, ctx.world_size)
         # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
-        fit = fit_to_world(self.cfg.train, ctx.world_size, self.state.batch_geometry, restored and restored.saved_world_size)
+        fit = fit_to_world(self.cfg.train, ctx.world_size, self.state.batch_geometry, restored.saved_world_size if restored else None)
         self.registry.build_schedulers(scheduler_steps(self.cfg.train, self._run_steps(fit.global_batch)),
                                        self.tiers.durable.statefuls)
         self.shard = apply_fit(fit, self.state.batch_geometry, ctx.rank, ctx.world_size, self.cfg.train,
@@ -304,7 +305,7 @@ class Session:
             total = clipping_norm(parameters) if clip is not None else None
             norm = float(total) if total is not None else grad_norm(parameters)
         ok = self.anomalies.gradients_ok(norm, step, loss)
-        if ok and clip is not None:
+        if ok and clip is not None and total is not None:  # total: computed whenever clip is set
             torch.nn.utils.clip_grads_with_norm_(parameters, clip, total)
         return ok
 
@@ -403,6 +404,7 @@ class Session:
         return decide(self.state.progress, self.plan, requests)
 
     def _evaluate_now(self) -> State:
+        assert self._evaluate is not None  # the plan evaluates only with an evaluation set up
         record = evaluation_record(self._evaluate())
         progress = self.state.progress
         progress.last_evaluated_step = progress.global_step
@@ -454,13 +456,13 @@ class Session:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         replacement = None
         try:
             if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
                 replacement = self._fail(exc)
             elif exc is None and not self.machine.finished:
-                report_left_early(self._rank_label, self.global_step, self.tiers and self.tiers.last_committed, self.ctx)
+                report_left_early(self._rank_label, self.global_step, self.tiers.last_committed if self.tiers else None, self.ctx)
         finally:
             self._left = True  # what the loop calls from now on is a UsageError (_context)
             self.health.signals.uninstall()
