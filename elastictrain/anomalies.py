@@ -35,8 +35,9 @@ import dataclasses
 import logging
 import math
 import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor

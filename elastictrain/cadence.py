@@ -26,7 +26,8 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .events import Observer, SnapshotReport
 from .states import State

@@ -27,8 +27,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, Callable, cast
+from typing import BinaryIO, cast
 
 from elastictrain.catalog import Catalog
 from elastictrain.errors import StorageError

@@ -12,8 +12,8 @@ import os
 import re
 import types
 import typing
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
@@ -224,7 +224,7 @@ class AnomalyConfig(_Section):
     # The global gradient norm before every update: "auto" where it is had anyway (train.clip_grad_norm) or needed
     # (policy skip, spike_factor > 0); true: every step (one read of the gradients); the loss and, before each
     # snapshot, the weights are checked always.
-    check_gradients: Union[bool, Literal["auto"]] = "auto"
+    check_gradients: bool | Literal["auto"] = "auto"
     spike_factor: NonNegativeFloat = 0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
     warmup_steps: NonNegativeInt = 100  # steps of running mean before spikes are judged
     spike_window_steps: PositiveInt = 100  # the running mean's window (an exponential mean after warm-up)
@@ -238,7 +238,7 @@ class AnomalyConfig(_Section):
 
 
 class DistConfig(_Section):
-    distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
+    distributed: bool | Literal["auto"] = "auto"  # auto: from torchrun/SLURM variables
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: cuda:LOCAL_RANK if available)
     deterministic: bool = True  # on CUDA: deterministic algorithms and cuBLAS workspace (determinism.py); no-op on CPU
@@ -254,7 +254,7 @@ class DistConfig(_Section):
 
 class LogConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    progress_bar: Union[bool, Literal["auto"]] = "auto"  # auto: only when stderr is a terminal
+    progress_bar: bool | Literal["auto"] = "auto"  # auto: only when stderr is a terminal
     all_ranks: bool = False  # by default ranks other than 0 log warnings and errors only
     jsonl: bool = False  # rank 0 also writes one JSON object per log record to <run dir>/log.jsonl
     plots: bool = True  # at the end rank 0 draws loss and metric plots into <run dir>/plots (needs matplotlib)
@@ -284,7 +284,7 @@ class Config(_Section):
     track: TrackConfig = Field(default_factory=TrackConfig)
 
     @model_validator(mode="after")
-    def _storage_options_need_a_remote_store(self) -> "Config":
+    def _storage_options_need_a_remote_store(self) -> Config:
         # An error, not a warning: options set for S3 with snapshot.url forgotten would otherwise
         # put every snapshot on this node's disk without a word.
         options = self.snapshot.durable.storage_options
@@ -298,7 +298,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _scale_lr_needs_a_changing_batch(self) -> "Config":
+    def _scale_lr_needs_a_changing_batch(self) -> Config:
         if self.train.scale_lr and self.train.on_world_size_change == "keep_global_batch":
             raise ValueError(
                 "train.scale_lr=true does nothing with train.on_world_size_change=keep_global_batch (the global batch "
@@ -307,7 +307,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _virtual_shards_fix_the_batch(self) -> "Config":
+    def _virtual_shards_fix_the_batch(self) -> Config:
         train = self.train
         shards = train.virtual_shards
         if shards & (shards - 1):
@@ -325,7 +325,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _fsdp_alone(self) -> "Config":
+    def _fsdp_alone(self) -> Config:
         if self.dist.strategy != "fsdp":
             return self
         conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
@@ -396,7 +396,7 @@ def _is_secret_name(name: str) -> bool:
     return any(word in lowered for word in _SECRET_WORDS) and lowered not in ("key_prefix", "sse_kms_key_id")
 
 
-def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(source: Config | dict | str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
     if isinstance(overrides, str):  # list("a=b") would be the overrides 'a', '=', 'b'
         raise ConfigError(f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: "

@@ -10,9 +10,10 @@ world size — continues the same sequence with nothing skipped and nothing repe
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from collections.abc import Set as AbstractSet, Sized
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import nn
 

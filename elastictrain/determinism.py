@@ -18,8 +18,8 @@ and returns the one start-up line that names them. ``dist.deterministic=false`` 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 import torch
 

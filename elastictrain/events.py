@@ -9,8 +9,8 @@ numbers, never the loop itself, so observers import nothing of ``loop``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .states import State
@@ -37,7 +37,7 @@ class RunInfo:
     round_id: str = ""  # the rendezvous round's nonce, the same on all its ranks (keys of this round only)
 
     @classmethod
-    def of(cls, ctx: Any, run_dir: str, total_steps: int) -> "RunInfo":
+    def of(cls, ctx: Any, run_dir: str, total_steps: int) -> RunInfo:
         """From a ``dist.DistContext`` (typed loosely: events imports nothing of the package's)."""
         env = ctx.env
         return cls(rank=ctx.rank, local_rank=env.local_rank, world_size=ctx.world_size, node_rank=env.node_rank,

@@ -142,7 +142,7 @@ class FastShards:
         offered = all_gather({name: len(data) for name, data in mine_to_send.items()}, self.ctx) \
             if self.ctx.distributed and peers[self.ctx.rank] is not None else [{}] * self.ctx.world_size
         works, sending, buffers = [], [], []
-        for name, data in mine_to_send.items():
+        for data in mine_to_send.values():
             sending.append(self._on_device(torch.frombuffer(bytearray(data), dtype=torch.uint8)))  # alive until sent
             works.append(dist.isend(sending[-1], peers[self.ctx.rank]))
         for sender in senders:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .events import Observer, RunInfo
 from .states import TERMINAL, State

@@ -30,8 +30,9 @@ Two ways to do it:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist

@@ -10,8 +10,8 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .states import TERMINAL, State
 
@@ -56,7 +56,7 @@ class Heartbeat:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: bytes | str) -> "Heartbeat":
+    def from_json(cls, text: bytes | str) -> Heartbeat:
         return cls(**json.loads(text))
 
 

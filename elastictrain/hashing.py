@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, BinaryIO, Callable, cast
+from typing import IO, BinaryIO, cast
 
 from elastictrain.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
 

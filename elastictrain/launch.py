@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-
     from torch.distributed.launcher import api as launcher_api
 
     args = torchrun.parse_args(argv)

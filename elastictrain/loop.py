@@ -18,8 +18,8 @@ tiers, survivor copies, the watchdog, stragglers, goodput, metrics.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -71,7 +71,7 @@ class Trainer:
 
     @classmethod
     def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: Sequence[str] = (),
-                  observers: Iterable[Observer] = ()) -> "Trainer":
+                  observers: Iterable[Observer] = ()) -> Trainer:
         return cls(
             task.model, task.optimizer, task.train_data, task.loss_fn,
             val_data=task.val_data, lr_scheduler=task.lr_scheduler, grad_scaler=task.grad_scaler,
@@ -79,7 +79,7 @@ class Trainer:
         )
 
     @classmethod
-    def from_config(cls, config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> "Trainer":
+    def from_config(cls, config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> Trainer:
         """Build the task the config names, seeded with ``run.seed`` so every run starts from the same weights."""
         cfg = load_config(config, overrides)
         seed_rng(cfg.run.seed)

@@ -8,7 +8,8 @@ RESTORE (the validation loader is built in SETUP), autocast at the attempt's fir
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 

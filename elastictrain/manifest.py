@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
@@ -117,4 +118,4 @@ class SnapshotListing:
 
 def snapshot_id_for_step(step: int) -> str:
     """Name of the snapshot taken at `step`; zero-padded so ids sort lexically as steps do."""
-    return "step-%012d" % step
+    return f"step-{step:012d}"

@@ -17,7 +17,7 @@ Everything else (flags, ``--rdzv-conf``, the store's host) is the wrapped backen
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,

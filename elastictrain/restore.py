@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch.optim import Optimizer
 
 from . import errors, fast_restore
-from .fast_restore import NodeTier
 from .collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from .errors import ConfigError, ElastictrainError, SnapshotError
+from .fast_restore import NodeTier
 from .manifest import Manifest
 from .resume_checks import check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters
 from .snapshot import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object, restore_rng, seed_rng

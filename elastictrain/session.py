@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Iterator, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,19 +44,19 @@ from .health import Health
 from .idle_keys import idle_keys_line
 from .logs import setup_logging
 from .loop_keys import LoopKeys, validation_loader
+from .plan import Plan, decide, run_finished
 from .registry import Registry
 from .registry_checks import unregistered_state_named
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted, SignalledInSetup
 from .snapshot import seed_rng
+from .states import State, StateMachine
 from .step_runner import autocast
 from .summary import RunSummary, attach_reporters, summarize
-from .plan import Plan, decide, run_finished
-from .states import State, StateMachine
 from .tiers import SnapshotTiers
 from .trackers.ids import share_run_id
-from .train_metrics import TrainMetrics, check_logged, evaluation_record
 from .train_data import Loader, TrainData, wrong_micro_batches
+from .train_metrics import TrainMetrics, check_logged, evaluation_record
 from .vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
@@ -122,7 +122,7 @@ class Session:
 
     # -- SETUP -------------------------------------------------------------------------------
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         self._started, self._started_unix = time.monotonic(), time.time()
         self.health.signals.install(setting_up=True)  # until SETUP is left, a signal ends this rank at once
         try:

@@ -58,7 +58,7 @@ class SignalledInSetup(Preempted):
         super().__init__(signal_name, 0)
         self.waiting_for = waiting_for
 
-    def waiting(self, what: str) -> "SignalledInSetup":
+    def waiting(self, what: str) -> SignalledInSetup:
         return SignalledInSetup(self.signal_name, what)
 
     def line(self, rank: str) -> str:

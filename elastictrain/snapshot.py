@@ -16,8 +16,9 @@ import random
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, BinaryIO, Callable, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 import torch

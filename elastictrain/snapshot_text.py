@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import textwrap
 import time
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 WIDTH = 80

@@ -32,9 +32,9 @@ from torch import nn
 
 from . import errors, failpoints
 from .background_write import BackgroundWrites
-from .config import Config
 from .collectives import all_gather, broadcast_from_main, gather_to_main
 from .commit import Writer
+from .config import Config
 from .dist import DistContext
 from .errors import ElastictrainError, StorageError, StorageUnavailable
 from .events import SnapshotReport

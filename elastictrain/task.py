@@ -8,8 +8,9 @@ import math
 import numbers
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 import torch

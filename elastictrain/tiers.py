@@ -22,8 +22,8 @@ from .dist import DistContext
 from .events import Observers, SnapshotReport
 from .registry import Registry
 from .replicas import ReplicaCheck
-from .runstate import RunState
 from .restore import Restored
+from .runstate import RunState
 from .snapshotter import Snapshotter
 from .survivor import SurvivorCopies
 

@@ -11,8 +11,9 @@ A stream (``IterableDataset``) is read in per-rank shares whose positions travel
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset

@@ -8,8 +8,9 @@ the metrics' all_reduce: rank 0 sees every rank's (stragglers) without a collect
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .dist import DistContext
 from .errors import UsageError

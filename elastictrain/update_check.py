@@ -13,9 +13,8 @@ table-tested) turns the same list into the same decision on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from typing import Callable
 
 from .collectives import all_gather, any_rank, any_rank_start
 from .dist import DistContext

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from .warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 
-
 # ---- the server: one per node, agent and environment ------------------------------------------
 
 
@@ -176,7 +175,7 @@ def _rebuild_streams(streams: dict) -> None:
         except (OSError, ValueError):
             pass
         unbuffered = streams["write_through"] or name == "stderr"
-        raw = io.open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
+        raw = open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
         stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,
                                   line_buffering=streams["line_buffering"] or name == "stderr",
                                   write_through=unbuffered and fd != 0)

@@ -38,10 +38,19 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .events import Observer, RunInfo, TrainInterval
-from .hangs import Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, is_stopped_here, loop_position, proc_stat
+from .hangs import (
+    Heartbeat,
+    SilentPeers,
+    WatchdogSettings,
+    allowance_s,
+    diagnose,
+    is_stopped_here,
+    loop_position,
+    proc_stat,
+)
 from .states import TERMINAL, State
 
 log = logging.getLogger("elastictrain")
