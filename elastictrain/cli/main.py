@@ -14,13 +14,15 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import yaml
 
 from elastictrain.core.config import load_config
-from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost
+from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line
+from elastictrain.core.excepthook import say_user_error
 from elastictrain.core.fatal import marker_path
 from elastictrain.core.logs import flush_standard_streams
 
@@ -49,6 +51,7 @@ def run() -> NoReturn:
     SystemExit is a bug: it leaves the normal way, with its traceback. ``main()`` itself never ends the process, so
     tests and scripts call it in-process.
     """
+    code: int | str | None
     try:
         code = main()
     except SystemExit as exc:  # fit()'s Preempted (143); argparse's usage error (2, already printed)
@@ -58,7 +61,7 @@ def run() -> NoReturn:
     elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
         print(code, file=sys.stderr)
         code = 1
-    threading._shutdown()  # as the interpreter does first: the threading atexit hooks (an idle executor's workers are
+    threading._shutdown()  # type: ignore[attr-defined]  # private, not in typeshed; as the interpreter does first: the threading atexit hooks (an idle executor's workers are
     # told to stop), then every non-daemon thread joined
     atexit._run_exitfuncs()  # then the atexit handlers; it clears them, so none runs twice
     _leave_now(code)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import textwrap
 import time
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 WIDTH = 80
@@ -193,7 +195,7 @@ def render_prune(document: dict[str, Any]) -> str:
 
 # -- formatting -------------------------------------------------------------------------------
 
-def _columns(table: list[tuple[str, ...]], right: set[int] = frozenset(), width: int = WIDTH) -> list[str]:
+def _columns(table: Sequence[tuple[str, ...]], right: AbstractSet[int] = frozenset(), width: int = WIDTH) -> list[str]:
     """Align a table; the last column is cut with '...' so each line fits `width`."""
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = []
@@ -230,10 +232,12 @@ def _human_bytes(size: int | None) -> str:
         return "-"
     if size < 1024:
         return f"{size} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if size < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}"
+    scaled = float(size)
+    for unit in ("KiB", "MiB", "GiB"):
+        scaled /= 1024
+        if scaled < 1024:
+            return f"{scaled:.1f} {unit}"
+    return f"{scaled / 1024:.1f} TiB"
 
 
 def _local_time(unix: float | None) -> str:

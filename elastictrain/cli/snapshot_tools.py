@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.core.errors import ElastictrainError, SnapshotError, StorageError, one_line
-from elastictrain.storage.manifest import MANIFEST_NAME, Manifest, SnapshotListing
 from elastictrain.observe.plots import attempt_markers, write_plots
+from elastictrain.storage.manifest import MANIFEST_NAME, Manifest, SnapshotListing
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 
@@ -103,6 +103,7 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
     """Read every object of every snapshot and check its size and checksum against the manifest."""
     rows = []
     for listing in listings:
+        row: dict[str, Any]
         try:
             manifest, payload = store.read_verified(listing.snapshot_id)
             row = {"valid": True, "problem": None, "objects": len(payload),

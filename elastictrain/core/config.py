@@ -12,6 +12,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -45,7 +46,7 @@ class _Section(BaseModel):
     def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads true as 1 for an int or float: train.batch_size=true would train with batch 1.
         # A key's own validator (YAML's bare `off` for false) runs before this one.
-        kind = number_kind(cls.model_fields[info.field_name].annotation)
+        kind = number_kind(cls.model_fields[info.field_name].annotation) if info.field_name else None
         items = value if kind == "list" and isinstance(value, list) else [value] if kind else []
         if any(isinstance(item, bool) for item in items):
             raise ValueError("a boolean where a number is meant; write the number")
@@ -58,8 +59,8 @@ def number_kind(annotation: Any) -> str | None:
         return number_kind(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is list:
         return "list" if number_kind(typing.get_args(annotation)[0]) else None
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in members]
+    union = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m for m in union]
     if bool in members:
         return None
     return "number" if any(m in (int, float) for m in members) else None
@@ -177,11 +178,14 @@ class SnapshotConfig(_Section):
 
 
 
+PreemptSignal = Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]
+
+
 class PreemptConfig(_Section):
     # On one of these signals every rank finishes its step, rank 0 commits a snapshot and the
     # workers exit with code 143 (128 + SIGTERM), which every launcher treats as "terminated".
-    signals: list[Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"]
+    signals: list[PreemptSignal] = Field(
+        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGINT", "SIGUSR1"])
     )
     requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
     # The ranks agree on signals (and rank 0's snapshot timer) at most once per step and at most this
@@ -220,7 +224,7 @@ class AnomalyConfig(_Section):
     # The global gradient norm before every update: "auto" where it is had anyway (train.clip_grad_norm) or needed
     # (policy skip, spike_factor > 0); true: every step (one read of the gradients); the loss and, before each
     # snapshot, the weights are checked always.
-    check_gradients: Union[bool, Literal["auto"]] = "auto"
+    check_gradients: bool | Literal["auto"] = "auto"
     spike_factor: NonNegativeFloat = 0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
     warmup_steps: NonNegativeInt = 100  # steps of running mean before spikes are judged
     spike_window_steps: PositiveInt = 100  # the running mean's window (an exponential mean after warm-up)
@@ -234,7 +238,7 @@ class AnomalyConfig(_Section):
 
 
 class DistConfig(_Section):
-    distributed: Union[bool, Literal["auto"]] = "auto"  # auto: from torchrun/SLURM variables
+    distributed: bool | Literal["auto"] = "auto"  # auto: from torchrun/SLURM variables
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: cuda:LOCAL_RANK if available)
     deterministic: bool = True  # on CUDA: deterministic algorithms and cuBLAS workspace (determinism.py); no-op on CPU
@@ -250,7 +254,7 @@ class DistConfig(_Section):
 
 class LogConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    progress_bar: Union[bool, Literal["auto"]] = "auto"  # auto: only when stderr is a terminal
+    progress_bar: bool | Literal["auto"] = "auto"  # auto: only when stderr is a terminal
     all_ranks: bool = False  # by default ranks other than 0 log warnings and errors only
     jsonl: bool = False  # rank 0 also writes one JSON object per log record to <run dir>/log.jsonl
     plots: bool = True  # at the end rank 0 draws loss and metric plots into <run dir>/plots (needs matplotlib)
@@ -282,7 +286,7 @@ class Config(_Section):
     track: TrackConfig = Field(default_factory=TrackConfig)
 
     @model_validator(mode="after")
-    def _storage_options_need_a_remote_store(self) -> "Config":
+    def _storage_options_need_a_remote_store(self) -> Config:
         # An error, not a warning: options set for S3 with snapshot.url forgotten would otherwise
         # put every snapshot on this node's disk without a word.
         options = self.snapshot.durable.storage_options
@@ -296,7 +300,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _scale_lr_needs_a_changing_batch(self) -> "Config":
+    def _scale_lr_needs_a_changing_batch(self) -> Config:
         if self.train.scale_lr and self.train.on_world_size_change == "keep_global_batch":
             raise ValueError(
                 "train.scale_lr=true does nothing with train.on_world_size_change=keep_global_batch (the global batch "
@@ -305,7 +309,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _virtual_shards_fix_the_batch(self) -> "Config":
+    def _virtual_shards_fix_the_batch(self) -> Config:
         train = self.train
         shards = train.virtual_shards
         if shards & (shards - 1):
@@ -323,7 +327,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _fsdp_alone(self) -> "Config":
+    def _fsdp_alone(self) -> Config:
         if self.dist.strategy != "fsdp":
             return self
         conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
@@ -394,7 +398,7 @@ def _is_secret_name(name: str) -> bool:
     return any(word in lowered for word in _SECRET_WORDS) and lowered not in ("key_prefix", "sse_kms_key_id")
 
 
-def load_config(source: "Config | dict | str | os.PathLike | None" = None, overrides: list[str] = ()) -> Config:
+def load_config(source: Config | dict | str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
     if isinstance(overrides, str):  # list("a=b") would be the overrides 'a', '=', 'b'
         raise ConfigError(f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: "

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel
+
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's error in one short phrase: what it was parsing, what went wrong, and at which column."""
@@ -22,7 +24,7 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{context}: {problem}{where}" if context else f"{problem}{where}"
 
 
-def describe(error: dict[str, Any], root: type[BaseModel]) -> str:
+def describe(error: Mapping[str, Any], root: type[BaseModel]) -> str:
     """One pydantic error as one sentence: the key, what was wrong, what is expected or what was meant."""
     kind = error["type"]
     loc = [str(p) for p in error["loc"]]

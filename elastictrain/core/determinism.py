@@ -18,8 +18,8 @@ and returns the one start-up line that names them. ``dist.deterministic=false`` 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 import torch
 
@@ -60,6 +60,6 @@ def apply(settings: DeterminismSettings | None, environ: MutableMapping[str, str
     if settings is None:
         return None
     if settings.deterministic_algorithms:
-        environ[CUBLAS_VARIABLE] = settings.cublas_workspace_config
+        environ[CUBLAS_VARIABLE] = settings.cublas_workspace_config or CUBLAS_WORKSPACE
         torch.use_deterministic_algorithms(True)
     return settings.line()

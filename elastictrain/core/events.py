@@ -9,6 +9,7 @@ numbers, never the loop itself, so observers import nothing of ``loop``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ class RunInfo:
     round_id: str = ""  # the rendezvous round's nonce, the same on all its ranks (keys of this round only)
 
     @classmethod
-    def of(cls, ctx: Any, run_dir: str, total_steps: int) -> "RunInfo":
+    def of(cls, ctx: Any, run_dir: str, total_steps: int) -> RunInfo:
         """From a ``dist.DistContext`` (typed loosely: events imports nothing of the package's)."""
         env = ctx.env
         return cls(rank=ctx.rank, local_rank=env.local_rank, world_size=ctx.world_size, node_rank=env.node_rank,
@@ -110,7 +111,7 @@ class Observers(Observer):
     Observation must never stop training: a broken exporter loses its metrics, not the run.
     """
 
-    def __init__(self, observers: list[Observer] = ()) -> None:
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers = list(observers)
 
     def add(self, observer: Observer) -> None:

@@ -24,9 +24,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from elastictrain.core.errors import ElastictrainError
 
@@ -122,7 +122,9 @@ def stop_if_an_earlier_attempt_failed(environ: Mapping[str, str] | None = None) 
     if earlier is None:
         return
     restart = int(env["TORCHELASTIC_RESTART_COUNT"])
-    said = marker_path(env).with_name(f"said-{restart}")  # local rank 0 has printed this attempt's line
+    marker = marker_path(env)
+    assert marker is not None  # earlier_attempt_failed found a record in it
+    said = marker.with_name(f"said-{restart}")  # local rank 0 has printed this attempt's line
     if env.get("LOCAL_RANK", "0") == "0":
         print(earlier.line(restart), file=sys.stderr, flush=True)
         said.touch()

@@ -8,7 +8,8 @@ the key to set, in one warning line at restore.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _LOCAL_TIER = ("every_steps", "every_s", "mtbf_prior_s", "keep_last", "async_write", "survivor_copies")
 

@@ -5,7 +5,7 @@ Torch-free: the watchdog (health/hangs.py), elastictrain-run's agent and the war
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:

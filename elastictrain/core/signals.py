@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from elastictrain.core.logs import flush_standard_streams
@@ -57,7 +58,7 @@ class SignalledInSetup(Preempted):
         super().__init__(signal_name, 0)
         self.waiting_for = waiting_for
 
-    def waiting(self, what: str) -> "SignalledInSetup":
+    def waiting(self, what: str) -> SignalledInSetup:
         return SignalledInSetup(self.signal_name, what)
 
     def line(self, rank: str) -> str:
@@ -74,7 +75,7 @@ class PreemptionSignals:
     launcher kills it (torchrun: 30 s later) without a word.
     """
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: Iterable[str]) -> None:
         self.names = list(names)
         self.requested: str | None = None
         self.repeats = 0  # further signals after the first, reported once the loop can log

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("elastictrain")
 

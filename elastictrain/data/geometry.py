@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.core.config import TrainConfig
-from elastictrain.data.sampling import Shard
 from elastictrain.core.errors import ConfigError
+from elastictrain.data.sampling import Shard
 
 log = logging.getLogger("elastictrain")
 
@@ -44,7 +44,8 @@ class BatchGeometry:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.global_batch = int(state_dict["global_batch"])
         self.grad_accum_steps = int(state_dict["grad_accum_steps"])
-        self.configured = tuple(int(value) for value in state_dict["configured"])
+        batch_size, grad_accum_steps = state_dict["configured"]
+        self.configured = (int(batch_size), int(grad_accum_steps))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class SeededSamples(Dataset):
         self.in_process = in_process  # seed in the training process too (num_workers=0)
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # a map-style dataset's (torch's Dataset declares no __len__)
 
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]

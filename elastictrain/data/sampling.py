@@ -10,8 +10,10 @@ world size — continues the same sequence with nothing skipped and nothing repe
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -53,7 +55,7 @@ class ShardedBatchSampler:
     """This rank's micro-batches for one epoch from ``offset`` global samples on (a DataLoader batch_sampler)."""
 
     def __init__(self, num_samples: int, shard: Shard, seed: int, epoch: int, offset: int, shuffle: bool,
-                 skip: frozenset[int] | set[int] = frozenset()) -> None:
+                 skip: AbstractSet[int] = frozenset()) -> None:
         self.order = epoch_order(num_samples, seed, epoch, shuffle)
         if skip:  # the anomaly skip list (anomalies.py): left out of every epoch, the rest keeps its order
             self.order = [index for index in self.order if index not in skip]
@@ -116,6 +118,11 @@ def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: in
 # all_reduce per step), so no rank waits in a collective for a batch that will never come.
 
 
+def samples_in(dataset: Dataset) -> int:
+    """A map-style dataset's length: torch's Dataset declares no ``__len__``; check_dataset requires one."""
+    return len(cast(Sized, dataset))
+
+
 def is_stream(dataset: Any) -> bool:
     return isinstance(dataset, IterableDataset)
 
@@ -142,7 +149,7 @@ def check_stream(dataset: Any, num_workers: int, max_steps: int | None) -> None:
         )
 
 
-def make_stream_loader(dataset: IterableDataset, batch_size: int, epoch: int, seed: int, collate_fn: Any = None) -> DataLoader:
+def make_stream_loader(dataset: Dataset, batch_size: int, epoch: int, seed: int, collate_fn: Any = None) -> DataLoader:
     set_epoch = getattr(dataset, "set_epoch", None)
     if callable(set_epoch):
         set_epoch(epoch)

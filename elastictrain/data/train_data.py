@@ -11,20 +11,32 @@ A stream (``IterableDataset``) is read in per-rank shares whose positions travel
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from elastictrain.dist import collectives, group as dist
 from elastictrain.core.config import Config
-from elastictrain.data.sampling import (
-    Shard, ShardedBatchSampler, batch_size_of, check_dataset, check_stream, is_stream, make_loader,
-    make_stream_loader, steps_in_epoch, to_device,
-)
 from elastictrain.core.errors import ConfigError, UsageError
-from elastictrain.data.sample_seeds import warn_own_generators
 from elastictrain.core.progress import Progress
+from elastictrain.data.sample_seeds import warn_own_generators
+from elastictrain.data.sampling import (
+    Shard,
+    ShardedBatchSampler,
+    batch_size_of,
+    check_dataset,
+    check_stream,
+    is_stream,
+    make_loader,
+    make_stream_loader,
+    samples_in,
+    steps_in_epoch,
+    to_device,
+)
+from elastictrain.dist import collectives
+from elastictrain.dist import group as dist
 
 _UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the stream does
 
@@ -32,14 +44,14 @@ _UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the
 class TrainData:
     def __init__(self, dataset: Dataset, collate_fn: Callable | None, cfg: Config, ctx: dist.DistContext,
                  progress: Progress, shard: Shard, on_end_without_step: Callable[[], None],
-                 skipped: set[int] = frozenset()) -> None:
+                 skipped: AbstractSet[int] = frozenset()) -> None:
         check_dataset(dataset, "the dataset given to session.loader()")
         self.dataset, self.collate_fn, self.cfg, self.ctx, self.progress = dataset, collate_fn, cfg, ctx, progress
         self.shard = shard
         self.skipped = skipped  # global sample indices left out of every epoch (the anomaly log's, updated in place)
         self._order: list[int] = []  # the epoch's global order, as the sampler reads it
         self.stream = is_stream(dataset)
-        self.samples = None if self.stream else len(dataset)
+        self.samples = None if self.stream else samples_in(dataset)
         self._on_end_without_step = on_end_without_step  # the session ends the epoch then
         self._batches: Iterator | None = None
         self.steps_left = 0
@@ -56,9 +68,9 @@ class TrainData:
             return
         if ctx.is_main:
             warn_own_generators(dataset)
-        if steps_in_epoch(len(dataset), shard) == 0:
+        if steps_in_epoch(samples_in(dataset), shard) == 0:
             raise ConfigError(
-                f"the training set has {len(dataset)} samples, fewer than one optimizer step takes "
+                f"the training set has {samples_in(dataset)} samples, fewer than one optimizer step takes "
                 f"({shard.samples_per_step} = train.batch_size x world size x train.grad_accum_steps); lower train.batch_size"
             )
 
@@ -126,7 +138,7 @@ class TrainData:
             loader = make_stream_loader(self.dataset, self.cfg.train.batch_size, epoch, seed, self.collate_fn)
             self._batches, self.steps_left = iter(loader), _UNTIL_EXHAUSTED
             return
-        sampler = ShardedBatchSampler(len(self.dataset), self.shard, self.cfg.run.seed, epoch,
+        sampler = ShardedBatchSampler(samples_in(self.dataset), self.shard, self.cfg.run.seed, epoch,
                                       self.progress.epoch_offset, self.cfg.data.shuffle, self.skipped)
         self._order = sampler.order
         loader = make_loader(self.dataset, sampler, self.cfg.data.num_workers, seed, self.collate_fn,
@@ -137,6 +149,7 @@ class TrainData:
     def _next_batches(self) -> list[Any] | None:
         """The micro-batches of the next step; None when a stream's epoch ended (on any rank: all agree)."""
         accum = self.shard.grad_accum_steps
+        assert self._batches is not None  # _open_epoch ran
         if not self.stream:
             return [next(self._batches) for _ in range(accum)]
         batches = list(itertools.islice(self._batches, accum))

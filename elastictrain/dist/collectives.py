@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
     if not ctx.distributed:
         return dict(payloads or {})
     sending = ctx.rank == src
+    payloads = payloads or {}  # rank src gives them; the others pass None
     sizes = broadcast_from_main({name: len(data) for name, data in payloads.items()} if sending else None, ctx, src)
     received: dict[str, Any] = {}
     for name, size in sizes.items():
@@ -90,7 +92,7 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
             tensor = torch.empty(size, dtype=torch.uint8)
         on_device = tensor.to(ctx.device) if ctx.backend == "nccl" else tensor
         dist.broadcast(on_device, src=src)
-        received[name] = payloads[name] if sending else memoryview(on_device.cpu().numpy()).toreadonly()
+        received[name] = payloads[name] if sending else on_device.cpu().numpy().data.toreadonly()
     return received
 
 

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -48,6 +49,8 @@ class LossForward(nn.Module):
     loss_fn gets the user's own module, on one worker or many alike, and every gradient it makes is synced.
     """
 
+    loss_fn: Callable[..., Any]  # in __dict__, not a registered submodule
+
     def __init__(self, model: nn.Module, loss_fn: Any) -> None:
         super().__init__()
         self.model = model
@@ -72,8 +75,8 @@ def state_module(model: nn.Module) -> nn.Module:
     uncompiled run resume from each other's snapshots, with the same params_sha256).
     """
     model = unwrap(model)
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch._dynamo's OptimizedModule
-        model = unwrap(model._orig_mod)
+    while isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):  # torch._dynamo's OptimizedModule
+        model = unwrap(inner)
     return model
 
 

@@ -19,7 +19,7 @@ import torch
 
 from elastictrain.dist import group as dist
 from elastictrain.core.errors import (
-    ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, mark_logged,
+    ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, mark_logged, one_line,
 )
 from elastictrain.core.fatal import claim_line
 from elastictrain.core.repeats import record_crash

@@ -30,8 +30,9 @@ Two ways to do it:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -111,6 +112,7 @@ class VirtualShards:
                 partner = rank ^ bit
                 exchange = [torch_dist.isend(summed, partner), torch_dist.irecv(self._received, partner)]
                 for request in exchange:
+                    assert request is not None  # None only on a rank outside the group
                     request.wait()
                 if rank < partner:
                     summed.add_(self._received)  # lower + higher

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ class WeightedSums:
         """Forget the values since the last reduce (a rollback replays their steps)."""
         self._values, self._samples, self._floats = [], [], []
 
-    def reduce(self, ctx: DistContext, flags: list[float] = ()) -> tuple[dict[str, float], list[float]]:
+    def reduce(self, ctx: DistContext, flags: Sequence[float] = ()) -> tuple[dict[str, float], list[float]]:
         """Sample-weighted means over all ranks since the last reduce, and the flags summed over ranks."""
         if not self._agreed and self.names is not None:  # the same on every rank: they add in the same steps
             agree_on_names(self.names, ctx)

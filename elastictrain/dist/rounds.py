@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastictrain.core.errors import DistributedSetupError
 from elastictrain.core.signals import SignalledInSetup

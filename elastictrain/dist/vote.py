@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from elastictrain.dist.collectives import all_reduce_sum, all_reduce_sum_start
-from elastictrain.core.errors import UsageError
 from elastictrain.dist.group import DistContext
+from elastictrain.core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Requests:
     local_snapshot: bool = False  # rank 0's fast-tier timer fired (snapshot.local.every_s)
     anomaly: bool = False  # some rank saw a non-finite or spiking step (anomaly.policy=rollback): every rank rolls back
 
-    def __or__(self, other: "Requests") -> "Requests":
+    def __or__(self, other: Requests) -> Requests:
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})
 
 

@@ -35,19 +35,20 @@ import dataclasses
 import logging
 import math
 import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from elastictrain.dist.collectives import all_gather
 from elastictrain.core.config import AnomalyConfig
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import AnomalyError
+from elastictrain.dist.collectives import all_gather
 from elastictrain.dist.fsdp import full_value
-from elastictrain.health.update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
+from elastictrain.dist.group import DistContext
 from elastictrain.dist.vote import NOTHING, Requests
+from elastictrain.health.update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
 
 log = logging.getLogger("elastictrain")
 
@@ -189,6 +190,11 @@ class Anomalies:
     def attach(self, ctx: DistContext, events: Any) -> None:
         self.ctx, self.events = ctx, events
 
+    @property
+    def _attached(self) -> DistContext:
+        assert self.ctx is not None, "attach() first"
+        return self.ctx
+
     # -- the checks (every step) ---------------------------------------------------------------
 
     def gradients_ok(self, norm: float | None, step: int, loss: Any = None) -> bool:
@@ -214,7 +220,7 @@ class Anomalies:
             return True
         if self.cfg.policy == "skip":
             self._skip(step, decision)
-        elif finding is not None and finding.kind == "gradient norm" and (
+        elif finding is not None and finding.kind == "gradient norm" and norm is not None and (
                 self.pending is None or (self.pending.step == step and self.pending.kind == "loss")):
             # Only the ranks that saw it raise it: the others hold their update, and the vote brings the rollback.
             self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
@@ -253,7 +259,8 @@ class Anomalies:
             return
         # FSDP: this rank's shards alone, no collective (ranks with a sighting skip this check): every element is
         # checked by the rank holding it, and the sightings of all ranks are gathered at the vote.
-        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]
+        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # type: ignore[attr-defined]
+                 for p in parameters]  # (a DTensor's detach() is a DTensor: torch's stub says Tensor)
         if not math.isfinite(norm_of(local)):
             self.pending = Sighting(step, math.nan, "weights", self.host)
 
@@ -271,6 +278,7 @@ class Anomalies:
     def _skip(self, step: int, decision: UpdateDecision) -> None:
         if self._skipped_now is None:  # the first check of the step that failed names it
             found = decision.found
+            assert found is not None  # an update not taken names what was found
             self._skipped_now = {"step": step, "value": found.value, "kind": found.kind, "spike": found.spike,
                                  "decision": "skip", "ranks": list(decision.ranks), "hosts": list(decision.hosts),
                                  "origin": list(decision.origin)}
@@ -303,10 +311,11 @@ class Anomalies:
         """The replay passed the anomalous step with no anomaly on any rank: a transient fault."""
         seen = self.replay_origin
         self.replaying, self.replay_origin = None, None
+        assert seen is not None  # replaying: the verdict being replayed
         entry = {"step": step, "value": seen.value, "kind": seen.kind, "decision": "transient",
                  "ranks": list(seen.ranks), "hosts": self._hosts(seen.ranks)}
         self.record.add(**entry)
-        if self.ctx.is_main:
+        if self._attached.is_main:
             log.warning("step %d replayed clean: the anomaly (%s %s) was a transient fault%s; training goes on "
                         "(transient faults so far: %d)", step, seen.kind, _number(seen.value), self._where(seen),
                         self.record.counts["transient"])
@@ -314,7 +323,7 @@ class Anomalies:
 
     def agree(self) -> Verdict:
         """ROLLBACK, on every rank: gather what each rank saw and judge it; say it in one line; stop past the budget."""
-        sightings = all_gather(self.pending, self.ctx) if self.ctx.distributed else [self.pending]
+        sightings = all_gather(self.pending, self._attached) if self._attached.distributed else [self.pending]
         self._hosts_by_rank = [s.host if s is not None else None for s in sightings]
         verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
         what = f"{verdict.kind} {_number(verdict.value)}" + (" (a spike)" if any(
@@ -354,13 +363,13 @@ class Anomalies:
         if verdict.action == "data":
             self.replaying, self.replay_origin = None, None
             if samples is not None:
-                samples = of_ranks(samples, verdict.origin, self.ctx.world_size, rank_batch)
+                samples = of_ranks(samples, verdict.origin, self._attached.world_size, rank_batch)
                 self.record.skipped_samples.update(samples)
                 entry["samples"] = list(samples)
             else:
                 self.record.skipped_steps.add(verdict.step)
             self.record.add(**entry)
-            if self.ctx.is_main:
+            if self._attached.is_main:
                 log.warning("anomaly at step %d recurred on replay (%s %s): it is the data; %s skipped from now on "
                             "at every world size; rolled back to step %d (rollback %d of %d)", verdict.step,
                             verdict.kind, _number(verdict.value),
@@ -369,7 +378,7 @@ class Anomalies:
         else:
             self.replaying, self.replay_origin = verdict.step, verdict
             self.record.add(**entry)
-            if self.ctx.is_main:
+            if self._attached.is_main:
                 log.warning("anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
                             verdict.step, verdict.kind, _number(verdict.value), self._where(verdict), restored_step,
                             self.record.rollbacks, self.cfg.max_rollbacks)
@@ -400,7 +409,7 @@ def where(kind: str, ranks: Iterable[int], origin: Iterable[int], hosts: list[st
     ranks, origin = list(ranks), list(origin)
 
     def named(which: list[int]) -> str:
-        return _ranks(which, [hosts[r] for r in which if r < len(hosts) and hosts[r] is not None])
+        return _ranks(which, [h for r in which if r < len(hosts) and (h := hosts[r]) is not None])
 
     if world_size == 1:
         return ""
@@ -432,7 +441,7 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     return norm_of([p.grad for p in parameters if p.grad is not None])
 
 
-def clipping_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+def clipping_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of the gradients as ``clip_grad_norm_`` computes it (its first half, FSDP's shards as
     one), a tensor to hand to ``torch.nn.utils.clip_grads_with_norm_`` (its second half): one norm, read once."""
     return full_value(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0))
@@ -443,7 +452,8 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
     if not tensors:
         return 0.0
     if any(isinstance(t, DTensor) for t in tensors):  # FSDP's shards: the global norm, never one rank's part
-        return float(torch.nn.utils.get_total_norm(tensors, 2.0).full_tensor())
+        # get_total_norm of DTensors is a DTensor (torch's stub says Tensor)
+        return float(torch.nn.utils.get_total_norm(tensors, 2.0).full_tensor())  # type: ignore[attr-defined]
     if len({(t.device, t.dtype) for t in tensors}) > 1:  # one foreach call takes one device and dtype
         return float(torch.nn.utils.get_total_norm(tensors, 2.0))
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0))))

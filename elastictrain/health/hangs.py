@@ -10,8 +10,8 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from elastictrain.core.processes import proc_stat
 from elastictrain.core.states import TERMINAL, State
@@ -57,7 +57,7 @@ class Heartbeat:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: bytes | str) -> "Heartbeat":
+    def from_json(cls, text: bytes | str) -> Heartbeat:
         return cls(**json.loads(text))
 
 
@@ -97,7 +97,7 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     ]
     if silent:
         return "; ".join(silent) + ": frozen, killed or its host is gone"
-    beats = [beat for _, beat in sorted(live.items())]
+    beats = [beat for _, beat in sorted(live.items()) if beat is not None]  # none is None: those were silent
     if not beats:
         return "no rank is left running"
     top = max(beat.step for beat in beats)

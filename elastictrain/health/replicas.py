@@ -32,16 +32,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import xxhash
 from torch import nn
 
+from elastictrain.core.errors import ReplicasDiverged
 from elastictrain.dist.collectives import all_gather
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import ReplicasDiverged
 
 log = logging.getLogger("elastictrain")
 

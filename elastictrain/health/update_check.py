@@ -13,9 +13,8 @@ table-tested) turns the same list into the same decision on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from typing import Callable
 
 from elastictrain.dist.collectives import all_gather, any_rank, any_rank_start
 from elastictrain.dist.group import DistContext
@@ -54,7 +53,7 @@ def finding_of(norm: float | None, spike: bool, loss: float | None, host: str = 
     own_loss = loss is not None and not math.isfinite(loss)
     if norm is not None and (not math.isfinite(norm) or spike):
         return Finding("gradient norm", norm, spike, own_loss, host)
-    if own_loss:
+    if own_loss and loss is not None:
         return Finding("loss", loss, own_loss=True, host=host)
     return None
 

@@ -39,15 +39,23 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from elastictrain.core.events import Observer, RunInfo, TrainInterval
 from elastictrain.core.processes import proc_stat
-from elastictrain.health.hangs import (
-    Heartbeat, SilentPeers, WatchdogSettings, allowance_s, diagnose, frozen_peers, is_stopped_here, loop_position,
-    overdue_after_s, stall_poll_s,
-)
 from elastictrain.core.states import TERMINAL, State
+from elastictrain.health.hangs import (
+    Heartbeat,
+    SilentPeers,
+    WatchdogSettings,
+    allowance_s,
+    diagnose,
+    frozen_peers,
+    is_stopped_here,
+    loop_position,
+    overdue_after_s,
+    stall_poll_s,
+)
 
 log = logging.getLogger("elastictrain")
 
@@ -87,7 +95,7 @@ class Watchdog(Observer):
         self._state_visit = (State.SETUP, 0, clock())  # (state, step, entered at)
         self._step = 0
         # The watchdog thread's own bookkeeping.
-        self._seen_marks = (None, 0)  # (beat step, trained count) at the last check
+        self._seen_marks: tuple[int | None, int] = (None, 0)  # (beat step, trained count) at the last check
         self._last_progress = clock()
         self._trained_once = False
         self._longest_step_s = 0.0
@@ -258,6 +266,7 @@ class Watchdog(Observer):
     def _read_heartbeats(self) -> dict[int, Heartbeat | None]:
         """Every other rank's latest heartbeat from the store (None: none published yet); store errors propagate."""
         info = self._info
+        assert info is not None and info.store is not None  # _peer_heartbeats checked
         keys = {rank: self._key(rank) for rank in range(info.world_size) if rank != info.rank}
         if not keys:
             return {}
@@ -309,7 +318,7 @@ class Watchdog(Observer):
             log.debug("watchdog could not write %s", key, exc_info=True)
 
     def _key(self, rank: int) -> str:
-        return f"watchdog/round-{self._info.round_id}/rank-{rank}"
+        return f"watchdog/round-{self._info.round_id if self._info else 0}/rank-{rank}"
 
     def _verdict_key(self) -> str:
         return f"watchdog/round-{self._info.round_id if self._info else ''}/hang"

@@ -50,12 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-
     from torch.distributed.launcher import api as launcher_api
 
     args = torchrun.parse_args(argv)
     agent_class = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _fail_fast(agent_class)  # what launch_agent() builds, in this process only
+    fail_fast = _fail_fast(agent_class)
+    # What launch_agent() builds, in this process only (mypy forbids assigning to a class name; this replaces it).
+    launcher_api.LocalElasticAgent = fail_fast  # type: ignore[misc]
     try:
         torchrun.run(args)
     except SignalException as exc:
@@ -64,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
              "resumes from the newest snapshot)")
         return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
-        if launcher_api.LocalElasticAgent.fatal is not None:
-            return _fatal(launcher_api.LocalElasticAgent.fatal)
+        if fail_fast.fatal is not None:
+            return _fatal(fail_fast.fatal)
         codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
         return _failed(codes)
     except RendezvousConnectionError:
         return _rendezvous_lost(args)
     finally:
-        launcher_api.LocalElasticAgent = agent_class
+        launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc]  # torch's own class back
     return 0
 
 
@@ -82,7 +83,7 @@ def _rendezvous_lost(args) -> int:
     return RENDEZVOUS_LOST_EXIT_CODE
 
 
-def _fail_fast(agent_class: type) -> type:
+def _fail_fast(agent_class: type) -> Any:  # a subclass of agent_class, with a class attribute `fatal`
     """torch's agent, restarting no more once a worker of this attempt recorded an error no restart can fix."""
 
     class FailFastAgent(agent_class):

@@ -17,7 +17,7 @@ Everything else (flags, ``--rdzv-conf``, the store's host) is the wrapped backen
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -44,8 +44,9 @@ class RoundPublishingHandler(RendezvousHandler):
         round_store = info.store  # prefixed with this round by torch
         if info.rank == 0:
             address = info.bootstrap_store_info
-            round_store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, address.master_addr.encode())
-            round_store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(address.master_port).encode())
+            # Store.set takes bytes too (torch's own rendezvous passes bytes); its stub says str only.
+            round_store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, address.master_addr.encode())  # type: ignore[arg-type]
+            round_store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(address.master_port).encode())  # type: ignore[arg-type]
         else:
             address = RendezvousStoreInfo(
                 round_store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(),

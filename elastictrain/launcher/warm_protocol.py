@@ -34,7 +34,7 @@ def send_message(connection: socket.socket, message: dict, fds: list[int] | None
 
 def receive_message(connection: socket.socket, want_fds: int = 0) -> tuple[dict | None, list[int]]:
     """One length-prefixed JSON message (and up to want_fds descriptors); None at end of stream."""
-    data, fds = b"", []
+    data, fds = b"", list[int]()
     while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
         if want_fds and not fds:
             chunk, fds, _, _ = socket.recv_fds(connection, 65536, want_fds)

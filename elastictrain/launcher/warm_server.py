@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 
-
 # ---- the server: one per node, agent and environment ------------------------------------------
 
 
@@ -56,7 +55,8 @@ def serve(base: str, lock_fd: int, agent_fd: int) -> ChildJob | None:
     children: dict[int, tuple[int, socket.socket]] = {}  # child pidfd -> (pid, connection)
     try:
         while True:
-            readable, _, _ = select.select([listener, agent_fd, *children], [], [])
+            waiting: list[socket.socket | int] = [listener, agent_fd, *children]
+            readable, _, _ = select.select(waiting, [], [])
             if agent_fd in readable:
                 return None
             for fd in readable:
@@ -160,6 +160,7 @@ def run_target(module: str | None, script: str | None, args: list[str] | tuple[s
         sys.path[0] = cwd
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
+        assert script is not None  # a module or a script: the wrapper's parser requires one
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
@@ -174,7 +175,7 @@ def _rebuild_streams(streams: dict) -> None:
         except (OSError, ValueError):
             pass
         unbuffered = streams["write_through"] or name == "stderr"
-        raw = io.open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
+        raw = open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
         stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,
                                   line_buffering=streams["line_buffering"] or name == "stderr",
                                   write_through=unbuffered and fd != 0)

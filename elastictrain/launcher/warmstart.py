@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from elastictrain.core.processes import stopped_pids
 from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
@@ -98,13 +99,13 @@ def parse(argv: list[str]) -> Target | None:
 def _interpreter_flags() -> list[str]:
     import subprocess  # only the cold path needs it
 
-    flags = list(subprocess._args_from_interpreter_flags())
+    flags = list(subprocess._args_from_interpreter_flags())  # type: ignore[attr-defined]  # private, not in typeshed
     if getattr(sys.stdout, "write_through", False) and "-u" not in flags:
         flags.append("-u")  # torchrun starts workers with -u
     return flags
 
 
-def run_cold(target: Target) -> None:
+def run_cold(target: Target) -> NoReturn:
     """Become the worker: exec the interpreter on the target, as torchrun would have."""
     head = ["-m", target.module] if target.module else [target.script]
     argv = [sys.executable, *_interpreter_flags(), *head, *target.args]
@@ -269,7 +270,9 @@ def preload(names: tuple[str, ...]) -> bool:
             say(f"preloading {name} failed ({type(error).__name__}: {error}); restarts run cold")
             return False
     if "torch" in sys.modules:
-        from elastictrain.core.threads import warm_up  # torch is loaded: the children's first MKL report costs nothing then
+        from elastictrain.core.threads import (
+            warm_up,  # torch is loaded: the children's first MKL report costs nothing then
+        )
 
         try:
             warm_up()
@@ -279,7 +282,7 @@ def preload(names: tuple[str, ...]) -> bool:
 
 
 def _run_warm(connection: socket.socket, target: Target) -> None:
-    child = {"pid": None, "pending": []}
+    child: dict[str, Any] = {"pid": None, "pending": []}
 
     def forward(signum: int, _frame: object) -> None:
         if child["pid"] is None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastictrain.core.events import Observer, RunInfo
 from elastictrain.core.states import TERMINAL, State

@@ -18,7 +18,7 @@ import errno
 import os
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 from elastictrain.core.config import MetricsConfig
 from elastictrain.core.errors import ConfigError
 from elastictrain.core.events import Observer, RunInfo, SnapshotReport, TrainInterval
-from elastictrain.observe.goodput import Goodput
 from elastictrain.core.states import State
+from elastictrain.observe.goodput import Goodput
 from elastictrain.observe.stragglers import compute_s_by_rank, others_median_s
 
 PREFIX = "elastictrain_"
@@ -177,7 +177,7 @@ class PrometheusObserver(Observer):
         self.last_snapshot_time.labels(**labels).set(time.time())
         self.last_snapshot_step.labels(**labels).set(report.step)
         # Only rank 0 writes the snapshot, so only it knows how long that took and how big it is.
-        if self._info.rank == 0:
+        if self._info is not None and self._info.rank == 0:
             self.snapshot_buckets = [n + (report.duration_s <= bound) for n, bound in
                                      zip(self.snapshot_buckets, SNAPSHOT_DURATION_BUCKETS_S)]
             self.snapshot_duration_count += 1
@@ -193,7 +193,8 @@ class PrometheusObserver(Observer):
     def closed(self) -> None:
         with self._scraped:  # a finished run is scraped once as done (when anything scrapes it at all)
             if self._scrapes_at_done is not None and self._scrapes_at_done > 0:
-                if self._scraped.wait_for(lambda: self._scrapes > self._scrapes_at_done, timeout=FINAL_SCRAPE_WAIT_S):
+                at_done = self._scrapes_at_done
+                if self._scraped.wait_for(lambda: self._scrapes > at_done, timeout=FINAL_SCRAPE_WAIT_S):
                     time.sleep(SCRAPE_ANSWER_S)  # counted as it is collected: let its answer go out
         self._server.shutdown()
         self._server.server_close()

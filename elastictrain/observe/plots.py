@@ -69,7 +69,7 @@ def attempt_markers(attempts: list[dict[str, Any]]) -> list[Marker]:
         step = int(attempt.get("start_step", 0))
         restart_count = int(attempt.get("restart_count", 0))
         world_size = attempt.get("world_size")
-        restart = (restart_count,) if step > 0 or restart_count != previous_restart_count else ()
+        restart: tuple[int, ...] = (restart_count,) if step > 0 or restart_count != previous_restart_count else ()
         world: tuple[int, ...] = ()
         if previous_world_size is not None and world_size is not None and world_size != previous_world_size:
             world = (int(previous_world_size), int(world_size))

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
 
 from elastictrain.core.events import Observer, RunInfo, TrainInterval
 

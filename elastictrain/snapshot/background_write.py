@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastictrain.core.events import SnapshotReport
 
@@ -71,6 +72,7 @@ class BackgroundWrites:
             self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self.failed, flight.write_s,
                                                 self.tier))
             return
+        assert flight.outcome is not None  # the write returned (no crash)
         committed, size, error, stop = flight.outcome
         if stop:
             self.failed = error

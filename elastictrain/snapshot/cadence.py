@@ -26,7 +26,8 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastictrain.core.events import Observer, SnapshotReport
 from elastictrain.core.states import State
@@ -129,5 +130,6 @@ class FastTierTimer(Observer):
     def _announce(self, cost_from: str) -> None:
         self._announced = True
         log.info("fast-tier copies every %.2f s from now on (auto, Young/Daly: %.0f ms a copy, %d failure(s) in %.0f s "
-                 "of training; the cost %s)", self.interval_s(), self.cost_s() * 1e3, self.failures, self.exposure_s(),
+                 "of training; the cost %s)", self.interval_s(), statistics.median(self._costs) * 1e3, self.failures,
+                 self.exposure_s(),
                  cost_from)

@@ -17,12 +17,12 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from elastictrain.core.errors import StorageError
+from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main
 from elastictrain.snapshot.fast_shards import METADATA, origin_rank
+from elastictrain.snapshot.format import STATE_OBJECT
 from elastictrain.storage.hashing import checksum_stream, mismatch
 from elastictrain.storage.manifest import Manifest, ObjectEntry
-from elastictrain.snapshot.format import STATE_OBJECT
 
 if TYPE_CHECKING:
     from elastictrain.dist.group import DistContext

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain.core.errors import StorageError
 from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import StorageError
+from elastictrain.snapshot.sharded import ShardedState
 from elastictrain.storage.hashing import checksum_bytes
 from elastictrain.storage.manifest import ObjectEntry
-from elastictrain.snapshot.sharded import ShardedState
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 METADATA = ".metadata"  # DCP's index of the shards
@@ -78,22 +78,23 @@ class FastShards:
         self._nodes: list[int] | None = None  # the node of every rank, gathered at the first copy (measure)
         self.node_bytes = 0  # about what this node's directory holds per copy (measure)
 
-    def measure(self) -> None:
-        """Every rank, at the first copy (a collective): the node of every rank, and about how many bytes a copy
-        takes on this node (its ranks' shards and those it keeps for its peer, each about this rank's size)."""
+    def measure(self) -> list[int]:
+        """Every rank, at the first copy (a collective): the node of every rank (returned), and about how many bytes a
+        copy takes on this node (its ranks' shards and those it keeps for its peer, each about this rank's size)."""
         if self._nodes is not None:
-            return
-        self._nodes = all_gather(self.ctx.env.node_rank, self.ctx) if self.ctx.distributed else [0]
-        nodes, peers = self._nodes, peer_ranks(self._nodes)
+            return self._nodes
+        nodes = self._nodes = all_gather(self.ctx.env.node_rank, self.ctx) if self.ctx.distributed else [0]
+        peers = peer_ranks(nodes)
         node = nodes[self.ctx.rank]
         kept = sum(n == node for n in nodes) + sum(peer is not None and nodes[peer] == node for peer in peers)
         self.node_bytes = self.sharded.local_bytes() * kept
+        return nodes
 
     def write(self, store: SnapshotStore, step: int, is_writer: bool) -> NodeCopy:
         """Every rank: this step's shards into ``store`` (this node's), the peer's copies exchanged; the node's
         writer returns what its node's ranks wrote (the others: their own share)."""
-        self.measure()
-        nodes, peers = self._nodes, peer_ranks(self._nodes)
+        nodes = self.measure()
+        peers = peer_ranks(nodes)
         node, prefix = nodes[self.ctx.rank], store.prefix_url(step)
         cleared = None
         if is_writer:
@@ -110,7 +111,8 @@ class FastShards:
         except StorageError as exc:
             return NodeCopy(error=str(exc))
         # This rank's files read back once (DCP records no checksums; they are in the page cache): hashed, and sent on.
-        own, error = {}, None
+        own: dict[str, bytes] = {}
+        error: str | None = None
         try:
             own = {name: _read(prefix, name) for name in shards if origin_rank(name) == self.ctx.rank}
             metadata = {METADATA: _read(prefix, METADATA)} if self.ctx.is_main else {}
@@ -120,8 +122,8 @@ class FastShards:
         # DCP's coordinator (rank 0) wrote .metadata on its node alone; every other node's writer keeps its bytes too.
         sent = broadcast_bytes_from_main(metadata if self.ctx.is_main else None, self.ctx).get(METADATA)
         if is_writer and node != nodes[0] and error is None:
-            error, held[METADATA] = ("rank 0 could not read back DCP's .metadata", None) if sent is None \
-                else _write(prefix, METADATA, sent)
+            error = "rank 0 could not read back DCP's .metadata" if sent is None \
+                else _keep(held, METADATA, _write(prefix, METADATA, sent))
         received, peer_error = self._exchange(prefix, own, peers)
         held.update(received)
         error = error or peer_error
@@ -130,7 +132,7 @@ class FastShards:
         copy = NodeCopy({name: entry for h, _ in mine for name, entry in h.items()})
         copy.error = next((e for _, e in mine if e is not None), None)
         copy.meta = {"node": node, "nodes": nodes, "shards": shards,
-                     "peer_files": sorted(n for n in copy.written if origin_rank(n) is not None and nodes[origin_rank(n)] != node)}
+                     "peer_files": sorted(n for n in copy.written if (o := origin_rank(n)) is not None and nodes[o] != node)}
         return copy
 
     def _exchange(self, prefix: str, own: dict[str, bytes], peers: list[int | None]) -> tuple[dict[str, ObjectEntry], str | None]:
@@ -141,7 +143,7 @@ class FastShards:
         offered = all_gather({name: len(data) for name, data in mine_to_send.items()}, self.ctx) \
             if self.ctx.distributed and peers[self.ctx.rank] is not None else [{}] * self.ctx.world_size
         works, sending, buffers = [], [], []
-        for name, data in mine_to_send.items():
+        for data in mine_to_send.values():
             sending.append(self._on_device(torch.frombuffer(bytearray(data), dtype=torch.uint8)))  # alive until sent
             works.append(dist.isend(sending[-1], peers[self.ctx.rank]))
         for sender in senders:
@@ -150,11 +152,13 @@ class FastShards:
                 works.append(dist.irecv(buffer, sender))
                 buffers.append((name, buffer))
         for work in works:
+            assert work is not None  # None only on a rank outside the group
             work.wait()
-        received, error = {}, None
+        received: dict[str, ObjectEntry] = {}
+        error: str | None = None
         for name, buffer in buffers:
             if error is None:
-                error, received[name] = _write(prefix, name, buffer.cpu().numpy().tobytes())
+                error = _keep(received, name, _write(prefix, name, buffer.cpu().numpy().tobytes()))
         return received, error
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -178,3 +182,10 @@ def _write(prefix: str, name: str, data: bytes) -> tuple[str | None, ObjectEntry
         return f"{name} could not be written into {prefix}: {exc}", None
     return None, checksum_bytes(data)
 
+
+def _keep(into: dict[str, ObjectEntry], name: str, written: tuple[str | None, ObjectEntry | None]) -> str | None:
+    """Record a file ``_write`` wrote in ``into``; why it could not be written, or None."""
+    error, entry = written
+    if entry is not None:
+        into[name] = entry
+    return error

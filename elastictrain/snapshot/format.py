@@ -15,7 +15,8 @@ import pickle
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -114,7 +115,7 @@ def without_compile_wrapper(weights: dict[str, Any], own: dict[str, Any]) -> dic
     renamed = OrderedDict((plain(key), value) for key, value in weights.items())
     metadata = getattr(weights, "_metadata", None)
     if metadata is not None:  # per-module versions load_state_dict reads (BatchNorm's), under the plain names
-        renamed._metadata = {plain(key): value for key, value in metadata.items()}
+        renamed._metadata = {plain(key): value for key, value in metadata.items()}  # type: ignore[attr-defined]  # as torch
     return renamed
 
 

@@ -10,8 +10,8 @@ import time
 import uuid
 
 from elastictrain.core.config import Config
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ElastictrainError, StoreLeaseError
+from elastictrain.dist.group import DistContext
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 log = logging.getLogger("elastictrain")

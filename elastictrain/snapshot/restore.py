@@ -16,16 +16,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
+from elastictrain.core.errors import ConfigError, ElastictrainError, SnapshotError
+from elastictrain.core.rng import restore_rng, seed_rng
+from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main, main_acts
 from elastictrain.snapshot import fast_restore
 from elastictrain.snapshot.fast_restore import NodeTier
-from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main, main_acts
-from elastictrain.core.errors import ConfigError, ElastictrainError, SnapshotError
-from elastictrain.storage.manifest import Manifest
-from elastictrain.snapshot.resume_checks import (
-    check_config, check_optimizer_fits, start_fresh_advice, warn_on_changed_hyperparameters,
-)
-from elastictrain.core.rng import restore_rng, seed_rng
 from elastictrain.snapshot.format import FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, load_model_weights, load_object
+from elastictrain.snapshot.resume_checks import (
+    check_config,
+    check_optimizer_fits,
+    start_fresh_advice,
+    warn_on_changed_hyperparameters,
+)
+from elastictrain.storage.manifest import Manifest
 
 if TYPE_CHECKING:
     from torch import nn
@@ -79,7 +82,11 @@ def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str
     """
     rollback = bool(keep)
     resume = durable.cfg.snapshot.resume or rollback
-    local_steps, local_found, shard_offers, shard_copy = [-1], None, {}, None
+    local_steps: tuple[int, ...] = (-1,)
+    local_found: tuple[Manifest, dict[str, bytes]] | None = None
+    shard_offers: dict[fast_restore.CopyKey, fast_restore.NodeOffer] = {}  # this rank's
+    every_offer: list[dict[fast_restore.CopyKey, fast_restore.NodeOffer]] = []  # every rank's
+    shard_copy: fast_restore.CopyKey | None = None
     if fast is not None:
         refused = None if rollback else fast.join_run(run_id)
         nodes, refusals = zip(*all_gather((durable.ctx.env.node_rank, refused), durable.ctx))
@@ -91,9 +98,10 @@ def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str
             shard_offers = fast_restore.offer(fast)
         elif fast.is_writer or len(set(nodes)) == 1:  # on one node every rank reads its copy at once: none is sent
             local_found = fast.newest_local()
-        local_steps, shard_offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers),
-                                                    durable.ctx))
-        shard_copy = fast_restore.choose(shard_offers) if fast.sharded is not None else None
+        local_steps, offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers),
+                                              durable.ctx))
+        every_offer = list(offers)
+        shard_copy = fast_restore.choose(every_offer) if fast.sharded is not None else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
     read: dict[str, Any] = {}  # rank 0: the durable snapshot it read, (manifest, payload), when newer than the fast copies
 
@@ -126,13 +134,15 @@ def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str
         load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
         durable.last_committed = (manifest.step, manifest.created_unix)
     elif shard_copy is not None:  # fsdp: the files the nodes hold together, brought to every node, each rank reading its part
-        copies = fast_restore.FastShardRestore(fast, durable.ctx, shard_copy, shard_offers, list(nodes))
+        assert fast is not None  # only the fast tier has shard copies
+        copies = fast_restore.FastShardRestore(fast, durable.ctx, shard_copy, every_offer, list(nodes))
         manifest, objects, staged = copies.bring()
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep, staged)
         copies.done()
         log.info("%s step %d from the node-local tier: %s", "rolled back to" if rollback else "restored", manifest.step,
                  copies.sources())
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one read it
+        assert fast is not None  # only the fast tier has node copies
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
         objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
@@ -170,11 +180,11 @@ def node_copy_objects(fast: SnapshotTier, ctx: DistContext, manifest: Manifest,
             except ElastictrainError as exc:
                 problem = str(exc)
         problems = [p for p in all_gather(problem, ctx) if p is not None]
-        if not problems:
+        if not problems and own is not None:  # own: read whenever no rank had a problem
             return own, ", read by every rank from its node" if ctx.world_size > 1 else ""
         log.warning("a rank could not read the node-local copy %s itself (%s): rank %d sends it", manifest.snapshot_id,
                     problems[0], holder)
-    received = broadcast_bytes_from_main(found[1] if ctx.rank == holder else None, ctx, src=holder)
+    received = broadcast_bytes_from_main(found[1] if ctx.rank == holder and found is not None else None, ctx, src=holder)
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
@@ -198,9 +208,10 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
             f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
             f"use the elastictrain version that wrote it, or {start_fresh_advice(target.cfg)} — nothing was deleted"
         )
-    if sharded:  # the model and optimizers: every rank reads its part of the shards, at any world size
+    if target.sharded is not None:  # the model and optimizers: every rank reads its part of the shards, at any world size
         target.sharded.load(shards_url or target.store.prefix_url(manifest.step), where)
     else:
+        assert weights is not None  # not sharded: read above
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
     for name, component in target.statefuls.items():  # before anything is loaded: all or nothing

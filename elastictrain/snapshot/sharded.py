@@ -33,10 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from elastictrain.core.config import is_local_url
 from elastictrain.core.errors import SnapshotError, StorageError, one_line
-from elastictrain.storage.hashing import checksum_stream
-from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.snapshot.format import tensors_in
 from elastictrain.snapshot.staging import Stager
+from elastictrain.storage.hashing import checksum_stream
+from elastictrain.storage.manifest import ObjectEntry
 
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
 # What DCP's save and load warn every time they run without a process group. A run of one worker has

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from elastictrain.core import failpoints
+from elastictrain.core.errors import StorageError
 from elastictrain.dist.collectives import broadcast_from_main, gather_to_main
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import StorageError
-from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.snapshot.sharded import ShardedState
+from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 
@@ -42,7 +42,7 @@ class ShardedWrites:
             raise StorageError(error)
         mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step)
         shares = gather_to_main(mine, self.ctx)
-        return {name: entry for share in shares for name, entry in share.items()} if self.ctx.is_main else None
+        return {name: entry for share in shares for name, entry in share.items()} if shares is not None else None
 
     def write_behind(self, step: int, shards: dict[str, Any]) -> tuple[dict[str, ObjectEntry] | None, str | None]:
         """Every rank's writer thread: its staged ``shards`` into the step's prefix over ``side_group``. Rank 0
@@ -57,7 +57,7 @@ class ShardedWrites:
             except StorageError as exc:
                 error = str(exc)
         shares = gather_to_main((mine, error), self.ctx, group=group)
-        if not self.ctx.is_main:
+        if shares is None:  # not rank 0
             return None, None
         errors = [error for _, error in shares if error is not None]
         if errors:

@@ -31,23 +31,29 @@ import torch
 from torch import nn
 
 from elastictrain.core import failpoints
-from elastictrain.snapshot.background_write import BackgroundWrites
 from elastictrain.core.config import Config
-from elastictrain.dist.collectives import all_gather, broadcast_from_main, gather_to_main, main_acts, raise_carried
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ElastictrainError, StorageError, StorageUnavailable
 from elastictrain.core.events import SnapshotReport
+from elastictrain.core.rng import capture_rng
+from elastictrain.dist.collectives import all_gather, broadcast_from_main, gather_to_main, main_acts, raise_carried
+from elastictrain.dist.group import DistContext
+from elastictrain.snapshot.background_write import BackgroundWrites
 from elastictrain.snapshot.fast_shards import FastShards
+from elastictrain.snapshot.format import (
+    FORMAT_VERSION,
+    MODEL_OBJECT,
+    STATE_OBJECT,
+    save_object,
+    tensors_in,
+    writer_for,
+)
 from elastictrain.snapshot.lease_keeper import LeaseKeeper
-from elastictrain.storage.manifest import Manifest
 from elastictrain.snapshot.restore import Restored, restore_newest
 from elastictrain.snapshot.sharded import SHARDED, ShardedState
 from elastictrain.snapshot.sharded_writes import ShardedWrites
-from elastictrain.core.rng import capture_rng
-from elastictrain.snapshot.format import (
-    FORMAT_VERSION, MODEL_OBJECT, STATE_OBJECT, save_object, tensors_in, writer_for,
-)
 from elastictrain.snapshot.staging import Stager
+from elastictrain.storage.commit import Writer
+from elastictrain.storage.manifest import Manifest
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 log = logging.getLogger("elastictrain")
@@ -78,6 +84,7 @@ class Snapshotter:
             url, options, retry_for_s = cfg.durable_snapshot_url, durable.storage_options, durable.retry_for_s
             self.keep_last, self.on_error, self.is_writer = durable.keep_last, durable.on_error, ctx.is_main
         else:  # no storage options, no on_error (a fast copy never stops the run), a short retry: config.LocalTierConfig
+            assert cfg.local_snapshot_url is not None  # the fast tier exists only with snapshot.local.url
             url, options, retry_for_s = cfg.local_snapshot_url, {}, min(2.0, cfg.snapshot.durable.retry_for_s)
             self.keep_last, self.on_error, self.is_writer = cfg.snapshot.local.keep_last, "continue", ctx.env.local_rank == 0
         self._size_checked = False
@@ -103,8 +110,8 @@ class Snapshotter:
         # into the durable store (sharded_writes.py), or into each node's fast tier and its peer node's (fast_shards.py).
         self.sharded = ShardedState(model, [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)],
                                     options) if fsdp else None
-        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if fsdp and tier == "durable" else None
-        self.fast_shards = FastShards(self.sharded, ctx) if fsdp and tier == "local" else None
+        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if self.sharded is not None and tier == "durable" else None
+        self.fast_shards = FastShards(self.sharded, ctx) if self.sharded is not None and tier == "local" else None
 
     @property
     def url(self) -> str:
@@ -145,6 +152,7 @@ class Snapshotter:
         Returns why the tier cannot be used here (its directory is not writable), or None.
         """
         base = self._run_name_dir = self.cfg.local_snapshot_url
+        assert base is not None  # the fast tier exists only with snapshot.local.url
         old = self.store
         self.store = SnapshotStore(os.path.join(base, run_id), retry_for_s=old.retry_for_s,
                                    recycle_keep_last=old.recycle_keep_last, url_key=old.url_key)
@@ -204,14 +212,15 @@ class Snapshotter:
         if self.tier == "local":
             return self._save_local(step, mine, meta, started)
         shards_async = self.sharded is not None and self.asynchronous
-        written = self.shard_writes.write(step) if self.sharded is not None and not shards_async else None
+        written = self.shard_writes.write(step) if self.shard_writes is not None and not shards_async else None
         rank_states = gather_to_main(mine, self.ctx)
         if shards_async:  # every rank: the write in flight finished (one at a time), this rank's shards staged
+            assert self.shard_writes is not None and self.sharded is not None
             self.shard_writes.side_group()
             self._writes.join()
             shards = self.sharded.stage()
         outcome = None
-        if self.ctx.is_main:
+        if rank_states is not None:  # rank 0
             outcome = self._start_write(step, rank_states, meta, started, shards if shards_async else None) \
                 if self.asynchronous else self._commit(step, None if written is not None else self.model.state_dict(),
                                                        self._state_dict(rank_states), meta, started, written)
@@ -268,6 +277,7 @@ class Snapshotter:
     def _save_node_copy(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """fsdp: every rank writes its shards into its node's copy and its peer node's (``fast_shards.py``); each node's
         writer commits what its node holds, or warns why it cannot."""
+        assert self.fast_shards is not None  # fsdp's fast tier
         copy = self.fast_shards.write(self.store, step, self.is_writer)
         if not self.is_writer:
             return None
@@ -346,12 +356,14 @@ class Snapshotter:
     def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
         """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
         commits the manifest last, once every rank's shards are written."""
+        assert self.shard_writes is not None  # fsdp's durable tier
         written, error = self.shard_writes.write_behind(step, shards)
         if not self.ctx.is_main:
             return False, 0, None, False  # rank 0 reports the outcome
         if error is not None:
             stop = self.on_error == "stop"
             return False, 0, self._fell_behind(step, StorageError(error), stop), stop
+        assert state is not None and meta is not None  # rank 0 passes them
         return self._commit(step, None, state, meta, time.monotonic(), written)
 
     def poll(self) -> list[SnapshotReport]:
@@ -403,7 +415,7 @@ class Snapshotter:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
             save_object(state, fileobj)  # torch.save without the zip CRC-32: the store checksums every byte
 
-        writers = {STATE_OBJECT: write_state}
+        writers: dict[str, Writer] = {STATE_OBJECT: write_state}
         if model_state is not None:  # None: the ranks wrote the model's shards (``written``)
             writers[MODEL_OBJECT] = writer_for(model_state)
         else:

@@ -64,7 +64,7 @@ class Stager:
             if isinstance(node, OrderedDict):  # a module's state_dict, with the version metadata load_state_dict reads
                 copied = OrderedDict(copied)
                 if hasattr(node, "_metadata"):
-                    copied._metadata = copy.deepcopy(node._metadata)
+                    copied._metadata = copy.deepcopy(node._metadata)  # type: ignore[attr-defined]  # torch sets it on the dict
             return copied
         if isinstance(node, list):
             return [self._copy(value, (*path, index)) for index, value in enumerate(node)]

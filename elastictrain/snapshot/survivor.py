@@ -43,12 +43,13 @@ import os
 import pickle
 import struct
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from elastictrain.core.rng import capture_rng_compact, rng_from_compact
 from elastictrain.core.progress import History, Progress
+from elastictrain.core.rng import capture_rng_compact, rng_from_compact
 from elastictrain.snapshot.snapshotter import Snapshotter
 
 log = logging.getLogger("elastictrain")
@@ -91,7 +92,8 @@ class StepSlots:
         does, else the newest intact one, or None."""
         records = self.records(rank)
         matching = [r for r in records if want is not None and (r["step"], r["records"], r["round"]) == want]
-        return (matching or records or [None])[0]
+        found = matching or records
+        return found[0] if found else None
 
     def records(self, rank: int) -> list[dict[str, Any]]:
         """The intact records of ``rank``'s slot, newest first (two, one after a torn write, none if never written)."""
@@ -204,12 +206,12 @@ class SurvivorCopies:
                      "instead; the restart reads the newest fast copy", step, ",".join(map(str, differ)),
                      ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()))
             return None
-        if any(r["rank_state"] is None for r in records):
+        if any(r is None or r["rank_state"] is None for r in records):
             log.info("no survivor copy of step %d: the metric sums on %s are not read at every step; the restart "
                      "reads the newest fast copy", step, self.fast.ctx.device.type)
             return None
         complete()
-        rank_states = [{"rng": rng_from_compact(r["rng"]), **r["rank_state"]} for r in records]
+        rank_states = [{"rng": rng_from_compact(r["rng"]), **r["rank_state"]} for r in records if r is not None]
         report = self.fast.save_survivor(step, rank_states, {**meta, "survivor": True})
         if report is None:
             log.info("no survivor copy needed: the fast tier already holds step %d", step)

@@ -38,7 +38,7 @@ class Catalog:
                     problem = None if manifest else "no manifest (torn or in-progress write)"
                 except SnapshotError as exc:
                     manifest, problem = None, f"manifest unreadable: {exc}"
-                step = int(SNAPSHOT_ID.match(snapshot_id).group(1))
+                step = int(snapshot_id.removeprefix("step-"))  # object_sizes keeps only SNAPSHOT_ID's names
                 listings.append(SnapshotListing(snapshot_id, step, manifest, problem))
             return sorted(listings, key=lambda listing: listing.step)
 

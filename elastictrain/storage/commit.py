@@ -27,17 +27,18 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, Callable
+from typing import BinaryIO, cast
 
-from elastictrain.storage.catalog import Catalog
 from elastictrain.core.errors import StorageError
+from elastictrain.storage.catalog import Catalog
 from elastictrain.storage.hashing import CommitTimings, CountingSink, HashingWriter
 from elastictrain.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, snapshot_id_for_step
 from elastictrain.storage.store_client import StoreClient
 from elastictrain.storage.store_errors import is_disk_full, is_unavailable, one_line
 
-Writer = Callable[[BinaryIO], None]  # streams one payload object into the file it is given
+Writer = Callable[[BinaryIO], object]  # streams one payload object into the file it is given
 
 log = logging.getLogger("elastictrain.storage.snapshot_store")
 
@@ -260,7 +261,7 @@ class Committer:
         needed = 0
         for writer in writers.values():  # only on this path: how much the snapshot would have needed
             sink = CountingSink()
-            writer(sink)
+            writer(cast(BinaryIO, sink))  # a file that counts: the calls a writer makes, nothing stored
             needed += sink.size
         existing = self.client.root
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:

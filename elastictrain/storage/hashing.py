@@ -8,11 +8,11 @@ copy); ``mismatch`` says why what was found is not what a manifest recorded.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import IO, BinaryIO, cast
 
 from elastictrain.storage.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
-
 
 _CHUNK = 8 << 20  # bytes read at a time when checksumming a file
 
@@ -71,7 +71,7 @@ class HashingWriter:
     242 ms per 205 MB commit, 15 interleaved pairs): the helper competes with the write for a core.
     """
 
-    def __init__(self, raw: BinaryIO, timings: CommitTimings):
+    def __init__(self, raw: IO[bytes], timings: CommitTimings):
         self._raw = raw
         self._hasher = CHECKSUMS[CHECKSUM]()
         self._size = 0
@@ -103,11 +103,11 @@ class HashingWriter:
     def entry(self) -> ObjectEntry:
         return ObjectEntry(size=self._size, algorithm=CHECKSUM, digest=self._hasher.hexdigest())
 
-    def run(self, writer: Callable[[BinaryIO], None]) -> None:
+    def run(self, writer: Callable[[BinaryIO], object]) -> None:
         """Run ``writer`` into this file, counting the time it spends outside write() as serialisation."""
         before = self._timings.write_s + self._timings.hash_s
         started = time.perf_counter()
-        writer(self)
+        writer(cast(BinaryIO, self))  # write/flush/tell/writable/seekable: what torch.save and the writers call
         in_writes = self._timings.write_s + self._timings.hash_s - before
         self._timings.serialise_s += time.perf_counter() - started - in_writes
 

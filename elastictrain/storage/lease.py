@@ -13,8 +13,8 @@ import socket
 import time
 import uuid
 
-from elastictrain.storage.commit import write_small_object
 from elastictrain.core.errors import StoreLeaseError
+from elastictrain.storage.commit import write_small_object
 from elastictrain.storage.store_client import StoreClient
 
 LEASE_NAME = ".lease.json"
@@ -156,8 +156,8 @@ class StoreLease:
 
     def _held_message(self, record: dict, stale_after_s: float, lost_race: bool = False) -> str:
         try:
-            age = f"{time.time() - float(record.get('renewed_unix')):.0f} s ago"
-        except (TypeError, ValueError):
+            age = f"{time.time() - float(record['renewed_unix']):.0f} s ago"
+        except (KeyError, TypeError, ValueError):
             age = "at an unknown time"
         how = "took it at the same moment" if lost_race else "holds it"
         return self.client.scrub(

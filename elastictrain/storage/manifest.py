@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
@@ -28,7 +29,7 @@ MANIFEST_FORMAT = "elastictrain-snapshot"
 SNAPSHOT_ID = re.compile(r"^step-(\d+)$")
 
 # Algorithm name (as the manifest records it) -> a new hasher with update() and hexdigest().
-CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128}
+CHECKSUMS: dict[str, Callable[..., Any]] = {"xxh3_128": xxhash.xxh3_128}  # name -> hasher(optional first bytes)
 CHECKSUM = "xxh3_128"  # what new snapshots record
 
 
@@ -117,4 +118,4 @@ class SnapshotListing:
 
 def snapshot_id_for_step(step: int) -> str:
     """Name of the snapshot taken at `step`; zero-padded so ids sort lexically as steps do."""
-    return "step-%012d" % step
+    return f"step-{step:012d}"

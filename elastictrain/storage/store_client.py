@@ -203,7 +203,7 @@ class StoreClient:
             wait=lambda retry_state: max(0.0, min(backoff(retry_state), deadline - time.monotonic())),
             before_sleep=lambda retry_state: log.debug(
                 "%s on %s did not answer (attempt %d: %s); retrying", method, self.url, retry_state.attempt_number,
-                self.scrub(one_line(retry_state.outcome.exception())),
+                self.scrub(_failed_attempt(retry_state)),
             ),
             reraise=True,
         )
@@ -242,3 +242,10 @@ class StoreClient:
                 self.attempt("call_s3", "delete_object", Bucket=self.bucket, Key=key, limit_s=limit_s)
         except FileNotFoundError:
             pass
+
+
+def _failed_attempt(retry_state: tenacity.RetryCallState) -> str:
+    """The error of the attempt before a retry's sleep, in one line."""
+    outcome = retry_state.outcome
+    error = outcome.exception() if outcome is not None else None
+    return one_line(error) if error is not None else "no error recorded"

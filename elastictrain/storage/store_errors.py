@@ -56,10 +56,11 @@ def causes(exc: BaseException) -> Iterator[BaseException]:
     ClientError) and the exception being handled when it was raised (torch.save hitting ENOSPC
     raises a RuntimeError "unexpected pos" while closing its zip writer, in the OSError's context)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
 
 
 def s3_error(exc: BaseException) -> tuple[str, int]:

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import logging
 
-from elastictrain.health.anomalies import Anomalies
 from elastictrain.core.config import Config
-from elastictrain.dist.group import DistContext
 from elastictrain.core.events import Observers
-from elastictrain.health.hangs import WatchdogSettings
-from elastictrain.train.runstate import RunState
 from elastictrain.core.signals import PREEMPTED_EXIT_CODE, PreemptionSignals, requeue_slurm_job
+from elastictrain.dist.group import DistContext
 from elastictrain.dist.sync_timer import GradientSyncTimer
-from elastictrain.observe.stragglers import StragglerReport, StragglerSettings
-from elastictrain.train.tiers import SnapshotTiers
 from elastictrain.dist.vote import Requests, StepVote
+from elastictrain.health.anomalies import Anomalies
+from elastictrain.health.hangs import WatchdogSettings
 from elastictrain.health.watchdog import Watchdog
+from elastictrain.observe.stragglers import StragglerReport, StragglerSettings
+from elastictrain.train.runstate import RunState
+from elastictrain.train.tiers import SnapshotTiers
 
 log = logging.getLogger("elastictrain")
 
@@ -48,6 +48,7 @@ class Health:
         self.anomalies.attach(ctx, events)
 
     def beat(self, step: int) -> None:
+        assert self.watchdog is not None, "attach() first"
         self.watchdog.beat(step)
 
     def requests(self, tiers: SnapshotTiers, step: int) -> Requests:
@@ -61,10 +62,12 @@ class Health:
 
     def post(self, tiers: SnapshotTiers, step: int) -> Requests:
         """At a step boundary: what the ranks agreed at the previous vote; this rank's requests travel meanwhile."""
+        assert self.vote is not None, "attach() first"
         return self.vote.post(lambda: self.requests(tiers, step), step)
 
     def settle(self, tiers: SnapshotTiers, step: int) -> Requests:
         """Leaving a state: nothing in flight, everything every rank asked for."""
+        assert self.vote is not None, "attach() first"
         return self.vote.settle(self.requests(tiers, step), step)
 
     def announce(self, step: int) -> None:

@@ -8,11 +8,12 @@ RESTORE (the validation loader is built in SETUP), autocast at the attempt's fir
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from elastictrain.data.sampling import EvalBatchSampler, make_loader
+from elastictrain.data.sampling import EvalBatchSampler, make_loader, samples_in
 
 # key -> (what applies it, where a loop must have asked by: "restore" or "first step")
 ASKED_THROUGH = {
@@ -65,5 +66,5 @@ def _values(cfg: Any) -> dict[str, Any]:
 
 def validation_loader(dataset: Dataset, collate_fn: Callable | None, rank: int, world_size: int, cfg: Any) -> DataLoader:
     """This rank's share of ``dataset`` (every sample once over all ranks) in batches of ``data.val_batch_size``."""
-    sampler = EvalBatchSampler(len(dataset), rank, world_size, cfg.data.val_batch_size)
+    sampler = EvalBatchSampler(samples_in(dataset), rank, world_size, cfg.data.val_batch_size)
     return make_loader(dataset, sampler, cfg.data.num_workers, cfg.run.seed, collate_fn, seed_in_process=False)

@@ -29,7 +29,7 @@ class Plan:
     local_every_steps: int = 0  # the fast tier's interval (0: off)
 
     @classmethod
-    def of(cls, cfg: Config, *, epochs: bool, evaluates: bool, fast_tier: bool) -> "Plan":
+    def of(cls, cfg: Config, *, epochs: bool, evaluates: bool, fast_tier: bool) -> Plan:
         """A run without data (``epochs`` False) has no epochs to end it: train.max_steps does."""
         train, snapshot = cfg.train, cfg.snapshot
         return cls(train.max_epochs if epochs else 2**62, train.max_steps, train.eval_every_epochs, evaluates,

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.dist import ddp, fsdp
 from elastictrain.core.errors import UsageError
+from elastictrain.dist import ddp, fsdp
 from elastictrain.train.runstate import RESERVED_NAMES
 from elastictrain.train.task import PendingScheduler
 

@@ -20,7 +20,8 @@ ReduceLROnPlateau, any other object holding state.
 from __future__ import annotations
 
 import gc
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -11,13 +11,14 @@ spikes are judged against) and ``tracking`` (the tracker run ids). A rollback re
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
-from elastictrain.health.anomalies import AnomalyLog, GradNormStatistic
-from elastictrain.data.geometry import BatchGeometry
-from elastictrain.observe.goodput import Goodput
 from elastictrain.core.progress import History, Progress, RunLog
 from elastictrain.core.threads import ThreadPin
+from elastictrain.data.geometry import BatchGeometry
+from elastictrain.health.anomalies import AnomalyLog, GradNormStatistic
+from elastictrain.observe.goodput import Goodput
 from elastictrain.observe.trackers.ids import TrackingIds
 
 RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "anomalies", "grad_norms",
@@ -26,7 +27,7 @@ ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies", "tracking")
 
 
 class RunState:
-    def __init__(self, intra_op_threads: int | str, skip_samples: list[int] = ()) -> None:
+    def __init__(self, intra_op_threads: int | Literal["auto", "off"], skip_samples: Iterable[int] = ()) -> None:
         self.progress = Progress()
         self.history = History()
         self.run_log = RunLog()

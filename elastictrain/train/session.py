@@ -24,41 +24,43 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from elastictrain.dist import ddp, group as dist, fsdp
 from elastictrain.core import failpoints
-from elastictrain.launcher import launch_env
-from elastictrain.health.anomalies import clipping_norm, grad_norm
 from elastictrain.core.config import Config, load_config
-from elastictrain.data.sampling import Shard
 from elastictrain.core.errors import ConfigError, PeerLost, UsageError
 from elastictrain.core.events import Observer, Observers, RunInfo
-from elastictrain.dist.failures import report_failure, report_left_early, used_after_the_block
-from elastictrain.data.geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
-from elastictrain.dist.gradsync import wrap_model_for
-from elastictrain.train.health import Health
 from elastictrain.core.idle_keys import idle_keys_line
 from elastictrain.core.logs import setup_logging
+from elastictrain.core.rng import seed_rng
+from elastictrain.core.signals import Preempted, SignalledInSetup
+from elastictrain.core.states import State, StateMachine
+from elastictrain.data.geometry import BatchGeometry, apply_fit, fit_to_world, run_steps, scheduler_steps
+from elastictrain.data.sampling import Shard
+from elastictrain.data.train_data import Loader, TrainData, wrong_micro_batches
+from elastictrain.dist import ddp, fsdp
+from elastictrain.dist import group as dist
+from elastictrain.dist.failures import report_failure, report_left_early, used_after_the_block
+from elastictrain.dist.gradsync import wrap_model_for
+from elastictrain.dist.vote import NOTHING, Requests
+from elastictrain.health.anomalies import clipping_norm, grad_norm
+from elastictrain.launcher import launch_env
+from elastictrain.observe.trackers.ids import share_run_id
+from elastictrain.train.health import Health
 from elastictrain.train.loop_keys import LoopKeys, validation_loader
+from elastictrain.train.plan import Plan, decide, run_finished
 from elastictrain.train.registry import Registry
 from elastictrain.train.registry_checks import unregistered_state_named
 from elastictrain.train.runstate import ROLLBACK_KEEPS, RunState
-from elastictrain.core.signals import Preempted, SignalledInSetup
-from elastictrain.core.rng import seed_rng
 from elastictrain.train.step_runner import autocast
 from elastictrain.train.summary import RunSummary, attach_reporters, summarize
-from elastictrain.train.plan import Plan, decide, run_finished
-from elastictrain.core.states import State, StateMachine
 from elastictrain.train.tiers import SnapshotTiers
-from elastictrain.observe.trackers.ids import share_run_id
 from elastictrain.train.train_metrics import TrainMetrics, check_logged, evaluation_record
-from elastictrain.data.train_data import Loader, TrainData, wrong_micro_batches
-from elastictrain.dist.vote import NOTHING, Requests
 
 log = logging.getLogger("elastictrain")
 
@@ -67,8 +69,8 @@ class Session:
     """One process's part of an elastictrain run. ``config``: a Config, a dict, a YAML path or None
     (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events."""
 
-    def __init__(self, config: Config | dict | str | None = None, overrides: list[str] = (), *,
-                 observers: list[Observer] = ()) -> None:
+    def __init__(self, config: Config | dict | str | None = None, overrides: Sequence[str] = (), *,
+                 observers: Iterable[Observer] = ()) -> None:
         self.cfg = load_config(config, overrides)
         self.state = RunState(self.cfg.train.intra_op_threads, self.cfg.anomaly.skip_samples)
         self.machine = StateMachine()
@@ -123,7 +125,7 @@ class Session:
 
     # -- SETUP -------------------------------------------------------------------------------
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         self._started, self._started_unix = time.monotonic(), time.time()
         self.health.signals.install(setting_up=True)  # until SETUP is left, a signal ends this rank at once
         try:
@@ -243,7 +245,7 @@ class Session:
             seed_rng(self.cfg.run.seed + ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", self.tiers.url, ctx.world_size)
         # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
-        fit = fit_to_world(self.cfg.train, ctx.world_size, self.state.batch_geometry, restored and restored.saved_world_size)
+        fit = fit_to_world(self.cfg.train, ctx.world_size, self.state.batch_geometry, restored.saved_world_size if restored else None)
         self.registry.build_schedulers(scheduler_steps(self.cfg.train, self._run_steps(fit.global_batch)),
                                        self.tiers.durable.statefuls)
         self.shard = apply_fit(fit, self.state.batch_geometry, ctx.rank, ctx.world_size, self.cfg.train,
@@ -306,7 +308,7 @@ class Session:
             total = clipping_norm(parameters) if clip is not None else None
             norm = float(total) if total is not None else grad_norm(parameters)
         ok = self.anomalies.gradients_ok(norm, step, loss)
-        if ok and clip is not None:
+        if ok and clip is not None and total is not None:  # total: computed whenever clip is set
             torch.nn.utils.clip_grads_with_norm_(parameters, clip, total)
         return ok
 
@@ -405,6 +407,7 @@ class Session:
         return decide(self.state.progress, self.plan, requests)
 
     def _evaluate_now(self) -> State:
+        assert self._evaluate is not None  # the plan evaluates only with an evaluation set up
         record = evaluation_record(self._evaluate())
         progress = self.state.progress
         progress.last_evaluated_step = progress.global_step
@@ -456,13 +459,13 @@ class Session:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         replacement = None
         try:
             if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
                 replacement = self._fail(exc)
             elif exc is None and not self.machine.finished:
-                report_left_early(self._rank_label, self.global_step, self.tiers and self.tiers.last_committed, self.ctx)
+                report_left_early(self._rank_label, self.global_step, self.tiers.last_committed if self.tiers else None, self.ctx)
         finally:
             self._left = True  # what the loop calls from now on is a UsageError (_context)
             self.health.signals.uninstall()

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from elastictrain.core import failpoints
-from elastictrain.health.anomalies import clipping_norm, grad_norm
-from elastictrain.dist.collectives import any_rank
 from elastictrain.data.sampling import batch_size_of
+from elastictrain.dist.collectives import any_rank
+from elastictrain.health.anomalies import clipping_norm, grad_norm
 from elastictrain.train.task import split_loss
 
 
@@ -69,7 +69,8 @@ class StepRunner:
         sync.finish(accum)  # every rank holds the step's gradients
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
-        norm = checked = None
+        norm: torch.Tensor | None = None
+        checked: float | None = None
         if self.clip_grad_norm is not None or session.anomalies.check_gradients:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -82,7 +83,7 @@ class StepRunner:
         # rank: where they were finite (a fault on another rank after the all-reduce), it is told so.
         overflow = scaler is not None and scaler.is_enabled() and checked is not None and \
             any_rank(not math.isfinite(checked), session.ctx)
-        if overflow and math.isfinite(checked):
+        if overflow and checked is not None and math.isfinite(checked):
             backed_off(scaler)
         elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank
             optimizer.zero_grad(set_to_none=True)  # the update is not taken: an anomaly, or a listed step
@@ -90,7 +91,7 @@ class StepRunner:
                 scaler.update(scaler.get_scale())  # forget this step's unscale, keep the scale and its growth count
             return
         else:
-            if self.clip_grad_norm is not None:
+            if self.clip_grad_norm is not None and norm is not None:  # norm: set whenever clipping is
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, norm)
             if scaler is not None:
                 scaler.step(optimizer)

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from elastictrain.core.config import Config
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ElastictrainError
 from elastictrain.core.events import Observers
 from elastictrain.core.logs import ProgressReport
-from elastictrain.train.runstate import RunState
-from elastictrain.snapshot.format import params_sha256
 from elastictrain.core.states import State, StateMachine
+from elastictrain.dist.group import DistContext
+from elastictrain.snapshot.format import params_sha256
+from elastictrain.train.runstate import RunState
 
 log = logging.getLogger("elastictrain")
 
@@ -89,7 +89,9 @@ def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: 
             machine.on(dst=State.DONE)(lambda *_: plot(run, cfg.run_dir, cfg.run.name))
     metrics = cfg.metrics
     if metrics.port > 0 and (ctx.is_main or (metrics.per_node and ctx.env.local_rank == 0)):
-        from elastictrain.observe.metrics import PrometheusObserver  # binds the port now: a port in use fails before training
+        from elastictrain.observe.metrics import (
+            PrometheusObserver,  # binds the port now: a port in use fails before training
+        )
 
         events.add(PrometheusObserver(metrics, goodput=run.goodput, run_name=cfg.run.name))
     if ctx.is_main:

@@ -8,8 +8,9 @@ import math
 import numbers
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 import torch
@@ -17,8 +18,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elastictrain.core.config import TaskConfig, redact_secrets
-from elastictrain.data.sampling import check_dataset
 from elastictrain.core.errors import TRACEBACK_ENV, ConfigError, LossFnError, UsageError, one_line, tracebacks_wanted
+from elastictrain.data.sampling import check_dataset
 
 # loss_fn(model, batch) returns the mean loss over the batch, optionally with a dict of
 # per-batch means of other metrics: `loss` or `(loss, {"accuracy": acc})`.
@@ -115,6 +116,7 @@ def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     Checked at every call, because it is cheap: type checks and ``numel()`` read metadata only,
     never the values, so no device sync (about a microsecond a step, against milliseconds).
     """
+    metrics: dict[str, Any]
     if isinstance(output, torch.Tensor):
         loss, metrics = output, {}
     elif isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict):

@@ -16,16 +16,16 @@ from typing import Any
 
 from torch import nn
 
-from elastictrain.snapshot.cadence import COST_KEY, FastTierTimer
 from elastictrain.core.config import Config
-from elastictrain.dist.group import DistContext
 from elastictrain.core.events import Observers, SnapshotReport
-from elastictrain.train.registry import Registry
+from elastictrain.dist.group import DistContext
 from elastictrain.health.replicas import ReplicaCheck
-from elastictrain.train.runstate import RunState
+from elastictrain.snapshot.cadence import COST_KEY, FastTierTimer
 from elastictrain.snapshot.restore import Restored
 from elastictrain.snapshot.snapshotter import Snapshotter
 from elastictrain.snapshot.survivor import SurvivorCopies
+from elastictrain.train.registry import Registry
+from elastictrain.train.runstate import RunState
 
 log = logging.getLogger("elastictrain")
 
@@ -133,6 +133,7 @@ class SnapshotTiers:
     def take_local(self, meta: dict[str, Any], wall_s: float) -> None:
         """LOCAL_SNAPSHOT: each node's fast copy of this step."""
         progress = self.state.progress
+        assert self.local is not None  # local_due() is False without the tier
         self.replicas.check(progress.global_step, "the fast copy")
         progress.last_local_snapshot_step = progress.global_step
         self.state.run_log.current["wall_s"] = wall_s

@@ -8,15 +8,16 @@ the metrics' all_reduce: rank 0 sees every rank's (stragglers) without a collect
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import UsageError
 from elastictrain.core.events import Observers, TrainInterval
+from elastictrain.dist.group import DistContext
 from elastictrain.dist.reduce import WeightedSums
-from elastictrain.train.runstate import RunState
 from elastictrain.dist.sync_timer import GradientSyncTimer
+from elastictrain.train.runstate import RunState
 from elastictrain.train.task import is_scalar
 
 

@@ -18,22 +18,24 @@ tiers, survivor copies, the watchdog, stragglers, goodput, metrics.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from elastictrain.dist import ddp, group as dist
-from elastictrain.dist.collectives import all_gather
 from elastictrain.core.config import Config, load_config
-from elastictrain.data.sampling import batch_size_of, is_stream, to_device
 from elastictrain.core.events import Observer
+from elastictrain.core.progress import Progress
+from elastictrain.core.rng import seed_rng
+from elastictrain.core.states import State
 from elastictrain.data.geometry import run_steps, scheduler_steps
+from elastictrain.data.sampling import batch_size_of, is_stream, samples_in, to_device
+from elastictrain.dist import ddp
+from elastictrain.dist import group as dist
+from elastictrain.dist.collectives import all_gather
 from elastictrain.dist.reduce import reduce_objects
 from elastictrain.train.session import RunSummary, Session
-from elastictrain.core.rng import seed_rng
-from elastictrain.core.progress import Progress
-from elastictrain.core.states import State
 from elastictrain.train.step_runner import StepRunner
 from elastictrain.train.task import PendingScheduler, Task, load_task, split_loss
 
@@ -62,16 +64,16 @@ class Trainer:
         grad_scaler: Any = None,
         collate_fn: Callable | None = None,
         config: Config | dict | str | None = None,
-        overrides: list[str] = (),
-        observers: list[Observer] = (),
+        overrides: Sequence[str] = (),
+        observers: Iterable[Observer] = (),
     ) -> None:
         self.cfg = load_config(config, overrides)
         self.task = Task(model, optimizer, train_data, loss_fn, val_data, lr_scheduler, grad_scaler, collate_fn)
         self.session = Session(self.cfg, observers=observers)
 
     @classmethod
-    def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: list[str] = (),
-                  observers: list[Observer] = ()) -> "Trainer":
+    def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: Sequence[str] = (),
+                  observers: Iterable[Observer] = ()) -> Trainer:
         return cls(
             task.model, task.optimizer, task.train_data, task.loss_fn,
             val_data=task.val_data, lr_scheduler=task.lr_scheduler, grad_scaler=task.grad_scaler,
@@ -79,7 +81,7 @@ class Trainer:
         )
 
     @classmethod
-    def from_config(cls, config: Config | dict | str | None = None, overrides: list[str] = ()) -> "Trainer":
+    def from_config(cls, config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> Trainer:
         """Build the task the config names, seeded with ``run.seed`` so every run starts from the same weights."""
         cfg = load_config(config, overrides)
         seed_rng(cfg.run.seed)
@@ -96,7 +98,7 @@ class Trainer:
         if self.session.tiers is not None:
             return self.session.total_steps
         data = self.task.train_data
-        return run_steps(self.cfg.train, None if is_stream(data) else len(data), dist.planned_world_size(self.cfg.dist),
+        return run_steps(self.cfg.train, None if is_stream(data) else samples_in(data), dist.planned_world_size(self.cfg.dist),
                          None, Progress())
 
     @property
@@ -136,6 +138,7 @@ class Trainer:
                 for batches in loader.steps():
                     runner.run(batches)
                     session.step()
+        assert session.summary is not None  # the session made it at DONE
         return session.summary
 
     def _evaluate(self, session: Session, model: torch.nn.Module, loader: Any) -> dict[str, float]:
@@ -144,9 +147,12 @@ class Trainer:
         plain.eval()
         # FSDP gathers each block's weights in its forward, a collective: through the sharded root, every rank
         # runs as many forwards (the extra ones repeat its last batch and count nothing).
-        sharded = self.cfg.dist.strategy == "fsdp" and session.ctx.distributed
-        forwards = max(all_gather(len(loader), session.ctx)) if sharded else 0
-        count, sums, batch = 0, {}, None
+        ctx = session.ctx
+        assert ctx is not None  # set up: the session is in the with-block
+        sharded = self.cfg.dist.strategy == "fsdp" and ctx.distributed
+        forwards = max(all_gather(len(loader), ctx)) if sharded else 0
+        count, batch = 0, None
+        sums: dict[str, float] = {}
         with torch.no_grad(), session.autocast():
             for batch in loader:
                 batch = to_device(batch, session.device)
@@ -158,4 +164,4 @@ class Trainer:
             for _ in range(forwards - len(loader)):
                 model(batch)
         model.train()
-        return reduce_objects(count, sums, session.ctx)
+        return reduce_objects(count, sums, ctx)

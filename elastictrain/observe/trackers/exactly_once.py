@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastictrain.core.config import Config
 from elastictrain.core.events import Observer, Observers, SnapshotReport
@@ -172,15 +173,17 @@ def attach_trackers(cfg: Config, events: Observers, run: TrackedRun) -> None:
     track = cfg.track
     trackers: list[TrackerThread] = []
     if track.tensorboard:
-        from elastictrain.observe.trackers.tensorboard_backend import TensorBoardBackend, check_installed
+        from elastictrain.observe.trackers.tensorboard_backend import TensorBoardBackend
+        from elastictrain.observe.trackers.tensorboard_backend import check_installed as check_tensorboard
 
-        check_installed()
+        check_tensorboard()
         directory = track.tensorboard_dir or f"{cfg.run_dir}/tensorboard"
         trackers.append(TrackerThread("tensorboard", lambda: TensorBoardBackend(directory)))
     if track.mlflow_uri:
-        from elastictrain.observe.trackers.mlflow_backend import MlflowBackend, check_installed
+        from elastictrain.observe.trackers.mlflow_backend import MlflowBackend
+        from elastictrain.observe.trackers.mlflow_backend import check_installed as check_mlflow
 
-        check_installed(track.mlflow_uri)
+        check_mlflow(track.mlflow_uri)
         experiment = track.mlflow_experiment or cfg.run.name
         trackers.append(TrackerThread("mlflow", lambda: MlflowBackend(track.mlflow_uri, experiment, cfg.run.name)))
     if trackers:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.core.errors import ConfigError
 from elastictrain.observe.trackers.ids import TrackingIds
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 RESTART_MARKER = "elastictrain/restart"
 CONFIG_TAG, SUMMARY_TAG = "elastictrain/config", "elastictrain/summary"
@@ -43,7 +46,8 @@ class TensorBoardBackend:
     def __init__(self, directory: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer_class, self.directory, self.writer = SummaryWriter, directory, None
+        self._writer_class, self.directory = SummaryWriter, directory
+        self.writer: SummaryWriter | None = None  # open() makes it
         self._tags: dict[str, int] = {}
 
     def open(self, ids: TrackingIds, store: Any) -> bool:
@@ -52,27 +56,32 @@ class TensorBoardBackend:
         self.writer = self._writer_class(log_dir=self.directory)
         return not any(tag.startswith(CONFIG_TAG) for tag in self._tags)
 
+    @property
+    def _open_writer(self) -> SummaryWriter:
+        assert self.writer is not None, "open() makes the writer"
+        return self.writer
+
     def written(self) -> dict[str, int]:
         return dict(self._tags)
 
     def write(self, points: list[tuple[str, int, float, float]]) -> None:
         for name, step, value, wall_time_s in points:
-            self.writer.add_scalar(name, value, step, walltime=wall_time_s)
-        self.writer.flush()
+            self._open_writer.add_scalar(name, value, step, walltime=wall_time_s)
+        self._open_writer.flush()
 
     def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None:
-        self.writer.add_scalar(RESTART_MARKER, attempt, step, walltime=wall_time_s)
-        self.writer.flush()
+        self._open_writer.add_scalar(RESTART_MARKER, attempt, step, walltime=wall_time_s)
+        self._open_writer.flush()
 
     def log_config(self, config: dict[str, Any]) -> None:
-        self.writer.add_text(CONFIG_TAG, "```\n" + json.dumps(config, indent=2) + "\n```", 0)
-        self.writer.flush()
+        self._open_writer.add_text(CONFIG_TAG, "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+        self._open_writer.flush()
 
     def log_summary(self, summary: dict[str, Any], step: int) -> None:
         if any(tag.startswith(SUMMARY_TAG) for tag in self._tags):
             return  # a relaunch of a finished run
-        self.writer.add_text(SUMMARY_TAG, " ".join(f"{k}={v}" for k, v in summary.items()), step)
-        self.writer.flush()
+        self._open_writer.add_text(SUMMARY_TAG, " ".join(f"{k}={v}" for k, v in summary.items()), step)
+        self._open_writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
