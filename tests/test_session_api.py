@@ -5,7 +5,6 @@ No launcher: a plain ``with Session(...)`` in the test process, snapshots on mem
 
 from __future__ import annotations
 
-import sys
 import uuid
 
 import pytest
@@ -355,9 +354,12 @@ def test_a_key_that_does_nothing_as_set_is_one_warning_at_restore(tmp_path, caps
 
 
 def uncaught(capsys, raised: pytest.ExceptionInfo) -> tuple[int, str]:
-    """What Python's hook (elastictrain's, installed on import) does with ``raised`` left uncaught: exit code, stderr."""
+    """What the hook elastictrain installs as ``sys.excepthook`` on import does with ``raised`` left uncaught: exit
+    code, stderr. (Called itself: an earlier test's process group may have left torch's wrapper around it.)"""
+    from elastictrain import excepthook
+
     with pytest.raises(SystemExit) as exited:
-        sys.excepthook(raised.type, raised.value, raised.tb)
+        excepthook._print_user_error(raised.type, raised.value, raised.tb)
     return exited.value.code, capsys.readouterr().err
 
 
