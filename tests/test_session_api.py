@@ -356,7 +356,7 @@ def test_a_key_that_does_nothing_as_set_is_one_warning_at_restore(tmp_path, caps
 def uncaught(capsys, raised: pytest.ExceptionInfo) -> tuple[int, str]:
     """What the hook elastictrain installs as ``sys.excepthook`` on import does with ``raised`` left uncaught: exit
     code, stderr. (Called itself: an earlier test's process group may have left torch's wrapper around it.)"""
-    from elastictrain import excepthook
+    from elastictrain.core import excepthook
 
     with pytest.raises(SystemExit) as exited:
         excepthook._print_user_error(raised.type, raised.value, raised.tb)
