@@ -6,11 +6,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.core.events import SnapshotReport
 
 log = logging.getLogger("elastictrain")
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """What one snapshot write came to, as rank 0 tells every rank: committed or not, and whether the run stops.
+
+    The default, nothing committed and no error, is a write still to come: started in the
+    background, or one whose outcome another rank (rank 0) reports.
+    """
+
+    committed: bool = False
+    size_bytes: int = 0
+    error: str | None = None  # one line, when not committed
+    stop: bool = False  # the failure stops the run (snapshot.durable.on_error=stop, a lost lease, a failed write)
+
+    def report(self, step: int, duration_s: float, tier: str, write_s: float = 0.0) -> SnapshotReport:
+        """The event observers are told of this write."""
+        return SnapshotReport(step, self.committed, duration_s, self.size_bytes, self.error, write_s, tier)
+
+
+PENDING = CommitOutcome()
 
 
 class BackgroundWrite:
@@ -20,7 +42,7 @@ class BackgroundWrite:
         self.step = step
         self.blocked_s = blocked_s  # training blocked to stage it
         self.write_s = 0.0
-        self.outcome: tuple | None = None  # what Snapshotter._commit returns
+        self.outcome: CommitOutcome | None = None  # what Snapshotter._commit returns
         self.crash: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(write,), name=f"elastictrain-snapshot-{step}", daemon=True)
         self._thread.start()
@@ -57,7 +79,7 @@ class BackgroundWrites:
         self.crash: BaseException | None = None
         self._reports: list[SnapshotReport] = []  # finished background writes not yet reported
 
-    def start(self, step: int, blocked_s: float, write: Callable[[], tuple]) -> None:
+    def start(self, step: int, blocked_s: float, write: Callable[[], CommitOutcome]) -> None:
         self.in_flight = BackgroundWrite(step, blocked_s, write)
 
     def join(self) -> None:
@@ -73,10 +95,10 @@ class BackgroundWrites:
                                                 self.tier))
             return
         assert flight.outcome is not None  # the write returned (no crash)
-        committed, size, error, stop = flight.outcome
-        if stop:
-            self.failed = error
-        self._reports.append(SnapshotReport(flight.step, committed, flight.blocked_s, size, error, flight.write_s, self.tier))
+        outcome = flight.outcome
+        if outcome.stop:
+            self.failed = outcome.error
+        self._reports.append(outcome.report(flight.step, flight.blocked_s, self.tier, flight.write_s))
 
     def poll(self) -> list[SnapshotReport]:
         """The reports of writes finished since the last poll."""

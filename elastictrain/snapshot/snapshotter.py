@@ -37,7 +37,7 @@ from elastictrain.core.events import SnapshotReport
 from elastictrain.core.rng import capture_rng
 from elastictrain.dist.collectives import all_gather, broadcast_from_main, gather_to_main, main_acts, raise_carried
 from elastictrain.dist.group import DistContext
-from elastictrain.snapshot.background_write import BackgroundWrites
+from elastictrain.snapshot.background_write import PENDING, BackgroundWrites, CommitOutcome
 from elastictrain.snapshot.fast_shards import FastShards
 from elastictrain.snapshot.format import (
     FORMAT_VERSION,
@@ -226,16 +226,16 @@ class Snapshotter:
                                                        self._state_dict(rank_states), meta, started, written)
         # The one point where all ranks learn the outcome together: nobody trains on while
         # rank 0 is about to stop, and nobody waits on a collective for a rank that left.
-        committed, size, error, stop = broadcast_from_main(outcome, self.ctx)
-        if stop:
-            raise StorageError(error)
+        outcome = broadcast_from_main(outcome, self.ctx)
+        if outcome.stop:
+            raise StorageError(outcome.error)
         if shards_async and not self.ctx.is_main:  # rank 0 started its write: the others write their shards alongside
             self._writes.start(step, 0.0, lambda: self._commit_behind(step, shards))
-        if committed and not self.ctx.is_main:
+        if outcome.committed and not self.ctx.is_main:
             self.last_committed = (step, time.time())  # every rank knows the newest committed step
-        if self.asynchronous and error is None:
+        if self.asynchronous and outcome.error is None:
             return None
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+        return outcome.report(step, time.monotonic() - started, self.tier)
 
     def _save_local(self, step: int, mine: dict, meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """Each node's writer keeps its own copy; the ranks agree only that every copy fits its node.
@@ -271,8 +271,8 @@ class Snapshotter:
         if self.asynchronous:
             self._start_write(step, rank_states, meta, started)
             return None
-        committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+        outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return outcome.report(step, time.monotonic() - started, self.tier)
 
     def _save_node_copy(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
         """fsdp: every rank writes its shards into its node's copy and its peer node's (``fast_shards.py``); each node's
@@ -283,10 +283,9 @@ class Snapshotter:
             return None
         if copy.error is not None:
             error = self._fell_behind(step, StorageError(copy.error), stop=False)
-            return SnapshotReport(step, False, time.monotonic() - started, 0, error, tier=self.tier)
-        committed, size, error, _ = self._commit(step, None, self._state_dict(rank_states), {**meta, **copy.meta}, started,
-                                                 copy.written)
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+            return CommitOutcome(error=error).report(step, time.monotonic() - started, self.tier)
+        outcome = self._commit(step, None, self._state_dict(rank_states), {**meta, **copy.meta}, started, copy.written)
+        return outcome.report(step, time.monotonic() - started, self.tier)
 
     def save_survivor(self, step: int, rank_states: list[dict], meta: dict[str, Any]) -> SnapshotReport | None:
         """The fast tier, on the node's lowest surviving rank after a peer was lost: commit ``step`` from the live
@@ -296,8 +295,8 @@ class Snapshotter:
         self._writes.join()  # this rank's own copy in flight first: one writer at a time
         if any(s.step == step and s.manifest is not None for s in self.store.list_snapshots()):
             return None
-        committed, size, error, _ = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
-        return SnapshotReport(step, committed, time.monotonic() - started, size, error, tier=self.tier)
+        outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        return outcome.report(step, time.monotonic() - started, self.tier)
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's share of a snapshot besides its RNG: its streams' positions, its metric sums since the last reduce."""
@@ -334,35 +333,35 @@ class Snapshotter:
     # -- asynchronous writes: stage at the step boundary, write in the background ----------
 
     def _start_write(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float,
-                     shards: dict | None = None) -> tuple:
+                     shards: dict | None = None) -> CommitOutcome:
         """Rank 0: wait for the write in flight, stage this step's state into reused buffers, write it in a thread.
         fsdp (``shards``: this rank's, staged): every rank writes its shards in a thread, rank 0 commits after them."""
         self._writes.join()  # at most one in flight: staging reuses the buffers the last one wrote from
         if self._writes.failed is not None:
-            return False, 0, self._writes.failed, True
+            return CommitOutcome(error=self._writes.failed, stop=True)
         if self._lease is not None and self._lease.lost is not None:
-            return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
+            return CommitOutcome(error=f"snapshot at step {step} not written: {self._lease.lost}", stop=True)
         if shards is not None:
             state = self._stager.stage({STATE_OBJECT: self._state_dict(rank_states)})[STATE_OBJECT]
             blocked_s = time.monotonic() - started
             self._writes.start(step, blocked_s, lambda: self._commit_behind(step, shards, state, meta))
-            return False, 0, None, False
+            return PENDING
         staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
         blocked_s = time.monotonic() - started
         self._writes.start(
             step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
-        return False, 0, None, False
+        return PENDING
 
-    def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> tuple:
+    def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> CommitOutcome:
         """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
         commits the manifest last, once every rank's shards are written."""
         assert self.shard_writes is not None  # fsdp's durable tier
         written, error = self.shard_writes.write_behind(step, shards)
         if not self.ctx.is_main:
-            return False, 0, None, False  # rank 0 reports the outcome
+            return PENDING  # rank 0 reports the outcome
         if error is not None:
             stop = self.on_error == "stop"
-            return False, 0, self._fell_behind(step, StorageError(error), stop), stop
+            return CommitOutcome(error=self._fell_behind(step, StorageError(error), stop), stop=stop)
         assert state is not None and meta is not None  # rank 0 passes them
         return self._commit(step, None, state, meta, time.monotonic(), written)
 
@@ -410,7 +409,7 @@ class Snapshotter:
     # -- the commit itself (rank 0) -----------------------------------------------------------
 
     def _commit(self, step: int, model_state: dict[str, Any] | None, state: dict[str, Any], meta: dict[str, Any],
-                started: float, written: dict | None = None) -> tuple:
+                started: float, written: dict | None = None) -> CommitOutcome:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
             save_object(state, fileobj)  # torch.save without the zip CRC-32: the store checksums every byte
@@ -421,12 +420,12 @@ class Snapshotter:
         else:
             meta = {**meta, "sharded": SHARDED}
         if self._lease is not None and self._lease.lost is not None:
-            return False, 0, f"snapshot at step {step} not written: {self._lease.lost}", True
+            return CommitOutcome(error=f"snapshot at step {step} not written: {self._lease.lost}", stop=True)
         try:
             manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION}, written)
         except StorageError as exc:
             stop = not isinstance(exc, StorageUnavailable) and self.on_error == "stop"
-            return False, 0, self._fell_behind(step, exc, stop), stop
+            return CommitOutcome(error=self._fell_behind(step, exc, stop), stop=stop)
         self.last_committed = (step, manifest.created_unix)
         try:
             pruned = self.store.prune(self.keep_last)
@@ -439,7 +438,7 @@ class Snapshotter:
         if self._behind_since is not None:
             log.info("snapshots caught up at step %d after %.0f s behind", step, time.time() - self._behind_since[1])
             self._behind_since = None
-        return True, size, None, False
+        return CommitOutcome(committed=True, size_bytes=size)
 
     def _fell_behind(self, step: int, exc: StorageError, stop: bool) -> str:
         if self._behind_since is None:
