@@ -24,12 +24,10 @@ import torch
 from torch.utils.data import Dataset
 
 from . import ddp, dist
-from .collectives import all_gather
 from .config import Config, load_config
 from .data import batch_size_of, is_stream, to_device
 from .events import Observer
 from .geometry import run_steps, scheduler_steps
-from .reduce import reduce_objects
 from .session import RunSummary, Session
 from .snapshot import Progress, seed_rng
 from .states import State
@@ -67,6 +65,7 @@ class Trainer:
         self.cfg = load_config(config, overrides)
         self.task = Task(model, optimizer, train_data, loss_fn, val_data, lr_scheduler, grad_scaler, collate_fn)
         self.session = Session(self.cfg, observers=observers)
+        self._restored = False  # fit() has restored: the session knows the run's geometry
 
     @classmethod
     def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: list[str] = (),
@@ -86,13 +85,13 @@ class Trainer:
 
     progress = property(lambda self: self.session.progress)
     history = property(lambda self: self.session.history)
-    run_log = property(lambda self: self.session.state.run_log)
+    run_log = property(lambda self: self.session.run_log)
     summary = property(lambda self: self.session.summary)  # after fit(): what it returned
 
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run; before ``fit``, those of a fresh start at the launch's world size."""
-        if self.session.tiers is not None:
+        if self._restored:
             return self.session.total_steps
         data = self.task.train_data
         return run_steps(self.cfg.train, None if is_stream(data) else len(data), dist.planned_world_size(self.cfg.dist),
@@ -103,11 +102,9 @@ class Trainer:
         """How often ``lr_scheduler.step()`` is called in the run: per step, or per epoch (train.lr_scheduler_interval)."""
         return scheduler_steps(self.cfg.train, self.total_steps)
 
-    machine = property(lambda self: self.session.machine)
-
     def on(self, src: State | None = None, dst: State | None = None) -> Callable:
         """Decorator: run ``hook(src, dst, step)`` on a transition (None matches any state)."""
-        return self.session.machine.on(src, dst)
+        return self.session.on(src, dst)
 
     def fit(self) -> RunSummary:
         """Train to the end; raises ``Preempted`` (a SystemExit with code 143) after a preemption snapshot."""
@@ -128,6 +125,7 @@ class Trainer:
             if train.lr_scheduler_interval == "epoch" and scheduler is not None:
                 session.every_epoch(lambda: session.registered("lr_scheduler").step())
             session.restore()
+            self._restored = True
             runner = StepRunner(session, model, task.optimizer, lr_scheduler=session.registered("lr_scheduler"),
                                 grad_scaler=scaler)
             for _epoch in session.epochs():
@@ -143,8 +141,8 @@ class Trainer:
         plain.eval()
         # FSDP gathers each block's weights in its forward, a collective: through the sharded root, every rank
         # runs as many forwards (the extra ones repeat its last batch and count nothing).
-        sharded = self.cfg.dist.strategy == "fsdp" and session.ctx.distributed
-        forwards = max(all_gather(len(loader), session.ctx)) if sharded else 0
+        sharded = self.cfg.dist.strategy == "fsdp" and session.world_size > 1
+        forwards = max(session.all_gather(len(loader))) if sharded else 0
         count, sums, batch = 0, {}, None
         with torch.no_grad(), session.autocast():
             for batch in loader:
@@ -157,4 +155,4 @@ class Trainer:
             for _ in range(forwards - len(loader)):
                 model(batch)
         model.train()
-        return reduce_objects(count, sums, session.ctx)
+        return session.reduce_metrics({name: total / count for name, total in sums.items()} if count else {}, weight=count)

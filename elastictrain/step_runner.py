@@ -21,7 +21,6 @@ import torch
 
 from . import failpoints
 from .anomalies import clipping_norm, grad_norm
-from .collectives import any_rank
 from .data import batch_size_of
 from .task import split_loss
 
@@ -29,19 +28,21 @@ from .task import split_loss
 class StepRunner:
     def __init__(self, session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
-        if session.grad_sync is None:
+        link = session.runner_link()  # the parts of a step only the session holds (runner_link.py)
+        if link.grad_sync is None:
             raise TypeError("StepRunner trains the module session.wrap(model, loss_fn) returned; wrap with a loss_fn")
-        train = session.cfg.train
-        self.session, self.model, self.optimizer = session, model, optimizer
+        train = session.config.train
+        self.session, self.link, self.model, self.optimizer = session, link, model, optimizer
         self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
         self.clip_grad_norm = train.clip_grad_norm
-        self.reads_no_norm = self.clip_grad_norm is None and not session.anomalies.check_gradients
+        self.reads_no_norm = self.clip_grad_norm is None and not link.checks_gradients
         self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
         self._autocast = session.autocast  # train.autocast_dtype, asked of the session (loop_keys.py)
 
     def run(self, batches: list[Any]) -> None:
-        session, sync, optimizer, scaler = self.session, self.session.grad_sync, self.optimizer, self.scaler
+        session, link, optimizer, scaler = self.session, self.link, self.optimizer, self.scaler
+        sync = link.grad_sync
         accum, step = len(batches), session.global_step
         for micro, batch in enumerate(batches):
             with sync.micro_batch(micro, accum, step):
@@ -54,14 +55,14 @@ class StepRunner:
                     # here on leaves a slot naming the step they reach (survivor.py).
                     session.rank_state_final()
                     if self.reads_no_norm:  # the losses are all logged: agree on them during the backward
-                        session.anomalies.agree_ahead(step + 1)
+                        link.agree_ahead(step + 1)
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sync.finish(accum)  # every rank holds the step's gradients
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
         norm = checked = None
-        if self.clip_grad_norm is not None or session.anomalies.check_gradients:
+        if self.clip_grad_norm is not None or link.checks_gradients:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if self.clip_grad_norm is not None:  # the norm clipping uses, checked as it is (FSDP: the global norm)
@@ -72,7 +73,7 @@ class StepRunner:
         # A scaler's non-finite gradients are its own to handle (it skips the step and lowers the scale), on every
         # rank: where they were finite (a fault on another rank after the all-reduce), it is told so.
         overflow = scaler is not None and scaler.is_enabled() and checked is not None and \
-            any_rank(not math.isfinite(checked), session.ctx)
+            link.any_rank(not math.isfinite(checked))
         if overflow and math.isfinite(checked):
             backed_off(scaler)
         elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank
