@@ -12,20 +12,21 @@ import logging
 import time
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from . import dist, failpoints
-from .anomalies import Anomalies
-from .data import Shard
+from .anomalies import clipping_norm, grad_norm
+from .config import TrainConfig
 from .events import Observers
 from .health import Health
-from .plan import Plan, decide, run_finished
+from .plan import decide, run_finished
 from .registry import Registry
+from .restore_phase import Restored
 from .runstate import ROLLBACK_KEEPS, RunState
 from .signals import Preempted
 from .states import State, StateMachine
 from .summary import RunSummary, summarize
-from .tiers import SnapshotTiers
 from .train_data import TrainData, wrong_micro_batches
 from .train_metrics import TrainMetrics, evaluation_record
 from .vote import NOTHING, Requests
@@ -36,15 +37,15 @@ log = logging.getLogger("elastictrain")
 class StepDriver:
     """Carries the run from one optimizer step to the next (TRAIN and the states after it), on every rank alike."""
 
-    def __init__(self, *, ctx: dist.DistContext, state: RunState, machine: StateMachine, events: Observers,
-                 health: Health, tiers: SnapshotTiers, plan: Plan, metrics: TrainMetrics, registry: Registry,
-                 model: nn.Module, data: TrainData | None, shard: Shard, log_every_steps: int, train_grad_accum: int,
-                 evaluate: Callable[[], dict[str, float]] | None, epoch_end: list[Callable[[], None]],
-                 started: float) -> None:
+    def __init__(self, restored: Restored, *, ctx: dist.DistContext, state: RunState, machine: StateMachine,
+                 events: Observers, health: Health, metrics: TrainMetrics, registry: Registry, data: TrainData | None,
+                 train: TrainConfig, evaluate: Callable[[], dict[str, float]] | None,
+                 epoch_end: list[Callable[[], None]], started: float) -> None:
         self.ctx, self.state, self.machine, self.events = ctx, state, machine, events
-        self.health, self.anomalies, self.tiers, self.plan = health, health.anomalies, tiers, plan
-        self.metrics, self.registry, self.model, self.data, self.shard = metrics, registry, model, data, shard
-        self.log_every_steps, self.train_grad_accum = log_every_steps, train_grad_accum
+        self.tiers, self.plan, self.model, self.shard = restored.tiers, restored.plan, restored.model, restored.shard
+        self.health, self.anomalies = health, health.anomalies
+        self.metrics, self.registry, self.data = metrics, registry, data
+        self.train = train
         self.evaluate, self.epoch_end, self.started = evaluate, epoch_end, started
         self.marks_ahead = False  # a step runner marks survivor copies itself (session.rank_state_final)
         self.step_started = time.perf_counter()
@@ -63,7 +64,7 @@ class StepDriver:
         if data is not None:
             taken = data.take()
             if len(taken) != self.shard.grad_accum_steps:
-                raise wrong_micro_batches(len(taken), self.shard.grad_accum_steps, self.train_grad_accum)
+                raise wrong_micro_batches(len(taken), self.shard.grad_accum_steps, self.train.grad_accum_steps)
             if values:
                 self.metrics.add(sum(taken), values)
         elif values:
@@ -76,6 +77,22 @@ class StepDriver:
             self.mark()
         self.boundary(stepped=True)
 
+    def gradients_ok(self, parameters: Any, loss: Any, norm: float | None) -> bool:
+        """``session.gradients_ok`` (its docstring says what): the check, and the clipping when the update is taken."""
+        step, anomalies = self.global_step + 1, self.anomalies
+        clip = self.train.clip_grad_norm if norm is None else None
+        if not anomalies.active and clip is None and step not in self.state.anomalies.skipped_steps:
+            return True
+        if norm is None and (clip is not None or anomalies.check_gradients):
+            parameters = self.model if parameters is None else parameters
+            parameters = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+            total = clipping_norm(parameters) if clip is not None else None
+            norm = float(total) if total is not None else grad_norm(parameters)
+        ok = anomalies.gradients_ok(norm, step, loss)
+        if ok and clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(parameters, clip, total)
+        return ok
+
     def boundary(self, stepped: bool) -> None:
         """After a step (or a stream's end): end the epoch, reduce, vote, and carry out the agreed next state."""
         step = self.global_step
@@ -85,7 +102,7 @@ class StepDriver:
             self.data.end_epoch()
             for callback in self.epoch_end:
                 callback()
-        if epoch_ended or step % self.log_every_steps == 0:
+        if epoch_ended or step % self.train.log_every_steps == 0:
             self._reduce_train_metrics()
         self.health.announce(step)
         # The vote posted now is read at the next voting boundary: it overlaps the steps between.

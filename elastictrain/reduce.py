@@ -122,10 +122,17 @@ def agree_on_names(names: list[str], ctx: DistContext) -> None:
 def reduce_means(values: dict[str, float], weight: float, ctx: DistContext) -> dict[str, float]:
     """Means over ranks, each rank's ``values`` (its own means) weighted by its ``weight`` (its sample count).
 
-    The ranks' names may differ (a metric a rank saw no sample of): a name is averaged over the ranks that hold it.
-    Empty where every weight is 0. One all_gather of python objects (an evaluation's few numbers).
+    One all_gather of python objects (an evaluation's few numbers); ``weighted_means`` does the arithmetic.
     """
-    parts = all_gather((float(weight), {name: float(value) for name, value in values.items()}), ctx)
+    return weighted_means(all_gather((float(weight), {name: float(value) for name, value in values.items()}), ctx))
+
+
+def weighted_means(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """The mean of each name over ``parts`` of (weight, means), each weighted by its weight.
+
+    The parts' names may differ (a rank that saw no sample of a metric): a name is averaged over the parts that hold
+    it. A name whose parts all weigh 0 is left out (empty when every weight is 0).
+    """
     names = sorted({name for _, means in parts for name in means})
     totals = {name: sum(w for w, means in parts if name in means) for name in names}
     return {name: sum(w * means[name] for w, means in parts if name in means) / totals[name]
