@@ -22,11 +22,12 @@ import torch
 from . import failpoints
 from .anomalies import clipping_norm, grad_norm
 from .data import batch_size_of
+from .runner_link import StepSession
 from .task import split_loss
 
 
 class StepRunner:
-    def __init__(self, session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, session: StepSession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
         link = session.runner_link()  # the parts of a step only the session holds (runner_link.py)
         if link.grad_sync is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.runner_link import StepSession
 from elastictrain.session import Session
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,11 @@ def session_accesses(source: str) -> list[tuple[int, str]]:
 def test_the_session_defines_exactly_the_public_names():
     defined = {name for name in vars(Session) if not name.startswith("_")}
     assert defined == PUBLIC, f"new public: {sorted(defined - PUBLIC)}; gone: {sorted(PUBLIC - defined)}"
+
+
+def test_a_step_runner_is_typed_against_public_names_only():
+    used = {name for name in vars(StepSession) if not name.startswith("_")}
+    assert used and used <= PUBLIC, sorted(used - PUBLIC)
 
 
 def test_every_public_name_is_in_the_guides_table():
