@@ -29,10 +29,8 @@ from .collectives import all_gather, all_reduce, any_rank, broadcast_from_main
 from .config import Config, load_config
 from .config_view import ConfigView
 from .driver import StepDriver
-from .errors import UsageError
 from .events import Observer, Observers
 from .failure_path import FailurePath
-from .geometry import run_steps
 from .health import Health
 from .loop_keys import LoopKeys, validation_loader
 from .reduce import reduce_means
@@ -44,7 +42,7 @@ from .setup_phase import SetupPhase
 from .states import State, StateMachine
 from .step_runner import autocast
 from .summary import RunSummary
-from .train_data import Loader, TrainData
+from .train_data import Loader
 from .train_metrics import check_logged
 
 log = logging.getLogger("elastictrain")
@@ -65,16 +63,13 @@ class Session:
         self._setting_up = SetupPhase(cfg, self._state, self._machine, self._events, self._health, self._registry)
         self._calls = CallOrder(self._machine, lambda: self._setting_up.ctx)
         self._ending = FailurePath(cfg, self._machine, self._health, self._events)
-        self._data: TrainData | None = None
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._epoch_end: list[Callable[[], None]] = []
         self._restoring: RestorePhase | None = None
         self._driver: StepDriver | None = None  # TRAIN and after: built at RESTORE's end
         self._started, self._started_unix = time.monotonic(), time.time()
-        self._machine.on()(self._events.transition)
         self._machine.on(dst=State.DONE)(lambda *edge: self._driver.summarize(*edge))
         self._machine.on(dst=State.PREEMPTED)(lambda *edge: self._driver.preempted(*edge))
-        self._machine.on(src=State.SETUP)(lambda *edge: self._health.signals.hold())  # a signal is voted on now
 
     # -- where the run is (read-only) ----------------------------------------------------------
 
@@ -96,19 +91,12 @@ class Session:
     _ctx = property(lambda self: self._setting_up.ctx)
     _shard = property(lambda self: self._driver.shard if self._driver else self._setting_up.shard)
     _metrics = property(lambda self: self._setting_up.metrics)
+    _data = property(lambda self: self._setting_up.data)
 
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run at its global batch (after a world-size change, the one the policy kept)."""
-        if self._data is None and self._cfg.train.max_steps is None:  # 0 would be a scheduler's ZeroDivisionError
-            raise UsageError("session.total_steps is known once session.loader() has the training set (or "
-                             "train.max_steps is set): call session.loader() first")
-        return self._run_steps(self._state.batch_geometry.global_batch)
-
-    def _run_steps(self, global_batch: int | None) -> int:
-        data = self._data
-        return run_steps(self._cfg.train, None if data is None or data.stream else data.samples, self._ctx.world_size,
-                         global_batch, self._state.progress)
+        return self._setting_up.run_steps(self._state.batch_geometry.global_batch)
 
     # -- SETUP -------------------------------------------------------------------------------
 
@@ -141,13 +129,8 @@ class Session:
     def loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> Loader:
         """This rank's share of ``dataset``, ``train.batch_size`` samples a micro-batch, resumable mid-epoch."""
         self._calls.in_setup("loader")
-        if self._data is not None:
-            raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
-                             "snapshots keep; build one loader")
-        self._data = TrainData(dataset, collate_fn, self._cfg, self._ctx, self._state.progress, self._shard,
-                               on_end_without_step=lambda: self._driver.boundary(stepped=False),
-                               skipped=self._state.anomalies.skipped_samples)
-        return Loader(self._data, self._calls.loader_finished)
+        data = self._setting_up.loader(dataset, collate_fn, lambda: self._driver.boundary(stepped=False))
+        return Loader(data, self._calls.loader_finished)
 
     def val_loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
         """This rank's share of ``dataset`` (every sample once over all ranks; shards may be uneven), in batches
@@ -178,7 +161,8 @@ class Session:
         self._calls.in_setup("restore", "restore() is called once")
         self._restoring = RestorePhase(self._cfg, self._ctx, self._state, self._machine, self._events,
                                        self._registry, self._metrics, self._keys)
-        restored = self._restoring.run(self._data, self._evaluate is not None, self._started_unix, self._run_steps)
+        restored = self._restoring.run(self._data, self._evaluate is not None, self._started_unix,
+                                       self._setting_up.run_steps)
         self._driver = StepDriver(restored, ctx=self._ctx, state=self._state, machine=self._machine, events=self._events,
                                   health=self._health, metrics=self._metrics, registry=self._registry, data=self._data,
                                   train=self._cfg.train, evaluate=self._evaluate, epoch_end=self._epoch_end,

@@ -1,5 +1,6 @@
 """SETUP: the launch environment read, logging, the process group, the run's reporters, a fresh start's batch
-geometry and the metrics; then every RNG seeded from ``run.seed``, the same on every rank.
+geometry and the metrics; then every RNG seeded from ``run.seed``, the same on every rank. What the loop then sets up
+before RESTORE lands here too: the wrapped models and the training set (and from it the run's length).
 
 ``with Session(...)`` runs one ``SetupPhase``; what it sets is kept on it as it goes (``rank_label``, ``ctx``), so
 that a failure part-way is said with this rank's name and still tears down a process group it started.
@@ -14,17 +15,18 @@ from torch import nn
 from . import ddp, dist, fsdp, launch_env
 from .config import Config
 from .data import Shard
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .events import Observers
-from .geometry import BatchGeometry, fit_to_world
+from .geometry import BatchGeometry, fit_to_world, run_steps
 from .gradsync import wrap_model_for
 from .health import Health
 from .logs import setup_logging
 from .registry import Registry
 from .runstate import RunState
 from .snapshot import seed_rng
-from .states import StateMachine
+from .states import State, StateMachine
 from .summary import attach_reporters
+from .train_data import TrainData
 from .train_metrics import TrainMetrics
 
 
@@ -41,6 +43,9 @@ class SetupPhase:
         self.shard: Shard | None = None  # a fresh start's geometry; RESTORE fits it to the snapshot's
         self.metrics: TrainMetrics | None = None
         self.grad_sync: Any = None  # set by wrap(model, loss_fn): the step runner's gradient sync
+        self.data: TrainData | None = None  # the training set, once session.loader() has it
+        machine.on()(events.transition)
+        machine.on(src=State.SETUP)(lambda *edge: health.signals.hold())  # a signal is voted on from now on
 
     def run(self) -> None:
         cfg, launch = self.cfg, launch_env.detect_launch_env()
@@ -79,3 +84,21 @@ class SetupPhase:
         self.registry.wrapped.append(ddp.state_module(wrapped))
         self.registry.replaced.update(fsdp.replaced_parameters(before, model))  # FSDP's sharded parameters
         return wrapped
+
+    def loader(self, dataset: Any, collate_fn: Callable | None, on_end_without_step: Callable[[], None]) -> TrainData:
+        """``session.loader``: the run's one training set, this rank's share of it."""
+        if self.data is not None:
+            raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
+                             "snapshots keep; build one loader")
+        self.data = TrainData(dataset, collate_fn, self.cfg, self.ctx, self.state.progress, self.shard,
+                              on_end_without_step=on_end_without_step, skipped=self.state.anomalies.skipped_samples)
+        return self.data
+
+    def run_steps(self, global_batch: int | None) -> int:
+        """The run's optimizer steps at ``global_batch`` (``session.total_steps``)."""
+        if self.data is None and self.cfg.train.max_steps is None:  # 0 would be a scheduler's ZeroDivisionError
+            raise UsageError("session.total_steps is known once session.loader() has the training set (or "
+                             "train.max_steps is set): call session.loader() first")
+        data = self.data
+        return run_steps(self.cfg.train, None if data is None or data.stream else data.samples, self.ctx.world_size,
+                         global_batch, self.state.progress)
