@@ -146,7 +146,7 @@ def with_elastictrain(args: argparse.Namespace, stamps: Stamps, world_size: int)
     trainer.on(src=State.RESTORE)(lambda src, dst, step: stamps.event("restored", step=step))
     summary = trainer.fit()
     if trainer.session.is_main:
-        goodput = trainer.session.state.goodput  # the counters /metrics serves
+        goodput = trainer.session.goodput  # the counters /metrics serves
         seconds = {cause: round(value, 3) for cause, value in goodput.seconds_by_cause().items()}
         stamps.event("goodput", ratio=f"{goodput.goodput_ratio():.4f}", seconds=json.dumps(seconds, separators=(",", ":")))
     stamps.event("done", step=summary.global_step)

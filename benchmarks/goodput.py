@@ -48,7 +48,7 @@ job's own median step time: it leaves out the loop's per-step cost (``step_overh
 measures that) and the load's drift, and keeps what faults cost.
 The tables also give, per job: kills, restarts, steps trained twice, where the rest of the wall
 time went and what each restart was made of (``_goodput_timeline.py``), and for elastictrain its
-own goodput counter (rank 0's ``Trainer.session.state.goodput`` at the end, the counter the Prometheus
+own goodput counter (rank 0's ``Trainer.session.goodput`` at the end, the counter the Prometheus
 exporter serves). The load is recorded at the start and end of every job: on a shared 2-core
 machine it moves every number.
 

@@ -56,7 +56,7 @@ def main(overrides: list[str]) -> None:
                 for micro, (inputs, labels) in enumerate(batches):
                     last = micro == len(batches) - 1
                     # All-reduce the gradients on the last micro-batch only (no DDP in a one-process run). A model
-                    # wrapped with a loss_fn (session.wrap(model, loss_fn)) would use session.grad_sync instead.
+                    # wrapped with a loss_fn (session.wrap(model, loss_fn)) would train with StepRunner instead.
                     with ddp.no_sync() if hasattr(ddp, "no_sync") and not last else nullcontext():
                         with session.autocast():  # train.autocast_dtype (none: full precision)
                             logits = ddp(inputs)

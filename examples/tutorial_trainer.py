@@ -116,11 +116,11 @@ CONFIG = {
 def run(overrides):
     """Run entire pipeline"""
     with Session(CONFIG, overrides) as session:
-        torch.manual_seed(session.cfg.run.seed)
+        torch.manual_seed(session.config.run.seed)
         dataset, model, optimizer, criterion = load_train_params()
         train_data = session.loader(dataset)
         trainer = Trainer(session, model, train_data, optimizer, criterion)
-        trainer.train(session.cfg.train.max_epochs)
+        trainer.train(session.config.train.max_epochs)
 
 
 def main():

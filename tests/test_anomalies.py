@@ -207,32 +207,32 @@ POISON = ORDER[43]  # in step 6 (8 samples a step); snapshots every 4 steps
 
 def test_a_rollback_in_process_skips_the_poisoned_steps_samples_and_ends_as_a_run_given_them(tmp_path, caplog):
     healed, session = custom_loop(config(tmp_path), points(POISON))
-    record = session.state.anomalies
+    record = session._state.anomalies
     assert sorted(record.skipped_samples) == sorted(ORDER[40:48]) and POISON in record.skipped_samples
     assert [(e["step"], e["decision"], e["rolled_back_to"]) for e in record.entries] == [(6, "rollback", 4), (6, "data", 5)]
     assert session.global_step == 14, "one step fewer in epoch 0: 56 samples left, 7 steps"
     reference, given = custom_loop(config(tmp_path, skip_samples=sorted(ORDER[40:48])), points(POISON))
     assert healed == reference
     # The running gradient norms are training state too: restored by the rollback, not counted twice.
-    assert session.state.grad_norms.state_dict() == given.state.grad_norms.state_dict()
+    assert session._state.grad_norms.state_dict() == given._state.grad_norms.state_dict()
     unbroken, _ = custom_loop(config(tmp_path), points())
     assert healed != unbroken
 
 
 def test_skip_drops_the_update_and_records_the_steps_samples(tmp_path):
     digest, session = custom_loop(config(tmp_path, policy="skip"), points(POISON))
-    entries = session.state.anomalies.entries
+    entries = session._state.anomalies.entries
     second = epoch_order(64, seed=0, epoch=1, shuffle=True).index(POISON) // 8  # skip lists nothing: it comes back
     assert [(e["step"], e["decision"]) for e in entries] == [(6, "skip"), (8 + second + 1, "skip")]
     assert sorted(entries[0]["samples"]) == sorted(ORDER[40:48]) and all(POISON in e["samples"] for e in entries)
     assert session.global_step == 16 and math.isfinite(session.summary.train_loss)
-    assert not session.state.anomalies.skipped_samples, "skip trains on: it lists, it does not leave samples out"
+    assert not session._state.anomalies.skipped_samples, "skip trains on: it lists, it does not leave samples out"
 
 
 def test_with_anomalies_off_a_nan_trains_on_into_the_weights(tmp_path):
     _, session = custom_loop(config(tmp_path, policy="off"), points(POISON))
-    assert not session.state.anomalies.entries
-    assert any(not torch.isfinite(p).all() for p in session.model.parameters())
+    assert not session._state.anomalies.entries
+    assert any(not torch.isfinite(p).all() for p in session.registered("model").parameters())
 
 
 def test_a_spike_over_the_running_mean_is_rolled_back_and_found_to_be_data(tmp_path):
@@ -242,9 +242,9 @@ def test_a_spike_over_the_running_mean_is_rolled_back_and_found_to_be_data(tmp_p
     initial = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.Linear(16, 2)).eval()  # custom_loop's model
     labels[POISON] = initial(inputs[POISON]).argmin()
     _, session = custom_loop(config(tmp_path, spike_factor=5.0, warmup_steps=3), TensorDataset(inputs, labels))
-    assert [(e["step"], e["decision"]) for e in session.state.anomalies.entries] == [(6, "rollback"), (6, "data")]
-    assert all(math.isfinite(e["value"]) and e["value"] > 5 for e in session.state.anomalies.entries)
-    assert POISON in session.state.anomalies.skipped_samples
+    assert [(e["step"], e["decision"]) for e in session._state.anomalies.entries] == [(6, "rollback"), (6, "data")]
+    assert all(math.isfinite(e["value"]) and e["value"] > 5 for e in session._state.anomalies.entries)
+    assert POISON in session._state.anomalies.skipped_samples
 
 
 def test_an_anomaly_before_the_first_snapshot_stops_with_one_line(tmp_path, capsys):
@@ -271,7 +271,7 @@ def test_a_trainer_with_a_grad_scaler_skips_a_spike_and_its_scaler_goes_on(tmp_p
                       lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), grad_scaler=scaler,
                       config=config(tmp_path, policy="skip", spike_factor=5.0, warmup_steps=3))
     trainer.fit()  # a scaler left unscaled by the skipped step would refuse the next step's unscale_()
-    entries = trainer.session.state.anomalies.entries
+    entries = trainer.session._state.anomalies.entries
     assert [(e["step"], e["decision"]) for e in entries][:1] == [(6, "skip")]
     assert trainer.session.global_step == 16
     assert scaler.get_scale() == 2.0 ** 4, "the skip leaves the scale (and its growth count) alone"
@@ -300,7 +300,7 @@ def test_a_loop_without_a_loader_puts_the_recurring_step_itself_on_the_skip_list
                 updates.append(step)
             optimizer.zero_grad()
             session.step(loss=loss.detach())
-    record = session.state.anomalies
+    record = session._state.anomalies
     assert record.skipped_steps == {6} and not record.skipped_samples
     assert [(e["step"], e["decision"]) for e in record.entries] == [(6, "rollback"), (6, "data")]
     if loss_to_check:  # gradients_ok(loss=) sees the NaN loss before the update: step 6's is never taken

@@ -196,7 +196,7 @@ def test_a_custom_loop_killed_by_an_exception_resumes_bitwise_equal_to_an_unbrok
     with pytest.raises(RuntimeError, match="a bug in step 11"):
         custom_loop(cfg, fail_in_step=11)
     resumed = custom_loop(cfg)
-    assert resumed.state.run_log.attempts[-1]["start_step"] == 8  # the newest snapshot before the failure
+    assert resumed.run_log.attempts[-1]["start_step"] == 8  # the newest snapshot before the failure
     assert resumed.summary.attempts == 2 and resumed.summary.global_step == unbroken.global_step
     assert resumed.summary.params_sha256 == unbroken.params_sha256
 

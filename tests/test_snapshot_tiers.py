@@ -22,7 +22,8 @@ from tests.test_trainer import memory_url
 LOCAL_EVERY = 4
 
 
-def trainer(tmp_path, durable: str, max_steps: int | None = None, local: dict | None = None, **durable_settings) -> Trainer:
+def trainer(tmp_path, durable: str, max_steps: int | None = None, local: dict | None = None, observers=(),
+            **durable_settings) -> Trainer:
     seed_everything(0)
     task = build(str(tmp_path), raise_rank=0, raise_at_step=durable_settings.pop("raise_at", -1), train_samples=512, hidden=32)
     return Trainer.from_task(task, {
@@ -30,7 +31,7 @@ def trainer(tmp_path, durable: str, max_steps: int | None = None, local: dict | 
                      "local": {"url": str(tmp_path / "shm"), "every_steps": LOCAL_EVERY, **(local or {})}},
         "train": {"max_epochs": 2, "max_steps": max_steps, "batch_size": 16, "log_every_steps": 5},
         "log": {"progress_bar": False},
-    })
+    }, observers=observers)
 
 
 def fast_dir(tmp_path, run_name: str = "default"):
@@ -84,7 +85,7 @@ def test_a_restarted_attempt_times_its_fast_copies_from_the_cost_the_attempt_bef
     resumed.fit()
     err = capfd.readouterr().err
     assert "restored step 24 from the node-local tier" in err, err[-3000:]
-    recorded = resumed.session.state.run_log.attempts[0][COST_KEY]
+    recorded = resumed.run_log.attempts[0][COST_KEY]
     assert recorded > 0
     said = re.search(r"fast-tier copies every [\d.]+ s from now on \(auto, Young/Daly: (\d+) ms a copy, 1 failure\(s\) "
                      r"in \d+ s of training; the cost (.*)\)", err)
@@ -158,8 +159,7 @@ def test_fast_copies_are_reported_by_tier_and_given_back_at_done_without_a_final
             self.seen.append((report.tier, report.step, report.committed))
 
     reports = Reports()
-    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False)
-    run.session.events.add(reports)
+    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, observers=[reports])
     run.fit()
     # Step 10 is durable and fast; the run ends at 12 with no final snapshot of either tier.
     assert reports.seen == [("local", 4, True), ("local", 8, True), ("local", 10, True), ("durable", 10, True)]
@@ -181,8 +181,7 @@ def test_the_fast_tier_writes_in_the_background_only_when_its_own_async_write_sa
             self.background.setdefault(report.tier, set()).add(report.write_s > 0)
 
     reports = Reports()
-    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local=local)
-    run.session.events.add(reports)
+    run = trainer(tmp_path, memory_url(), max_steps=12, on_done=False, async_write=True, local=local, observers=[reports])
     run.fit()
     assert reports.background == {"durable": {True}, "local": {fast_in_background}}
 

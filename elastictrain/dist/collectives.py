@@ -12,6 +12,8 @@ import torch.distributed as dist
 from elastictrain.core import errors
 from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ElastictrainError
+from elastictrain.dist.group import DistContext
+from elastictrain.core.errors import UsageError
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -21,6 +23,29 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     on_device = values.to(ctx.device)
     dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
     return on_device.cpu()
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
+
+
+def all_reduce(value: Any, op: str, ctx: DistContext) -> Any:
+    """``value`` (a tensor or a number) reduced over ranks with ``op`` (sum, max, min or mean): a new tensor on
+    ``value``'s device, or a number (an int stays an int but for the mean)."""
+    if op not in _OPS:
+        raise UsageError(f"all_reduce(op={op!r}): op is one of {', '.join(_OPS)}")
+    is_tensor = isinstance(value, torch.Tensor)
+    tensor = value.detach().clone() if is_tensor else torch.tensor(value, dtype=torch.float64)
+    if op == "mean" and not tensor.is_floating_point():
+        tensor = tensor.double()
+    if ctx.distributed:
+        on_device = tensor.to(ctx.device)
+        dist.all_reduce(on_device, op=_OPS[op])
+        tensor = on_device.to(value.device if is_tensor else "cpu")
+    if op == "mean":
+        tensor = tensor / ctx.world_size
+    if is_tensor:
+        return tensor
+    return int(tensor.item()) if isinstance(value, int) and op != "mean" else tensor.item()
 
 
 def any_rank(flag: bool, ctx: DistContext) -> bool:

@@ -120,9 +120,21 @@ def agree_on_names(names: list[str], ctx: DistContext) -> None:
                 "rank, or on none (the snapshots saved so far are kept)")
 
 
-def reduce_objects(count: int, sums: dict[str, float], ctx: DistContext) -> dict[str, float]:
-    """Sample-weighted means of python sums over ranks whose metric names may differ (evaluation)."""
-    parts = all_gather((count, sums), ctx)
-    total = sum(c for c, _ in parts)
-    names = sorted({name for _, s in parts for name in s})
-    return {name: sum(s.get(name, 0.0) for _, s in parts) / total for name in names} if total else {}
+def reduce_means(values: dict[str, float], weight: float, ctx: DistContext) -> dict[str, float]:
+    """Means over ranks, each rank's ``values`` (its own means) weighted by its ``weight`` (its sample count).
+
+    One all_gather of python objects (an evaluation's few numbers); ``weighted_means`` does the arithmetic.
+    """
+    return weighted_means(all_gather((float(weight), {name: float(value) for name, value in values.items()}), ctx))
+
+
+def weighted_means(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """The mean of each name over ``parts`` of (weight, means), each weighted by its weight.
+
+    The parts' names may differ (a rank that saw no sample of a metric): a name is averaged over the parts that hold
+    it. A name whose parts all weigh 0 is left out (empty when every weight is 0).
+    """
+    names = sorted({name for _, means in parts for name in means})
+    totals = {name: sum(w for w, means in parts if name in means) for name in names}
+    return {name: sum(w * means[name] for w, means in parts if name in means) / totals[name]
+            for name in names if totals[name]}

@@ -21,36 +21,29 @@ import torch
 
 from elastictrain.core import failpoints
 from elastictrain.data.sampling import batch_size_of
-from elastictrain.dist.collectives import any_rank
 from elastictrain.health.anomalies import clipping_norm, grad_norm
+from elastictrain.train.runner_link import StepSession
 from elastictrain.train.task import split_loss
 
 
 class StepRunner:
-    """One optimizer step of the usual kind over a session: ``run(batches)`` once per step, then ``session.step()``.
-
-    ``model`` is what ``session.wrap(model, loss_fn)`` returned (a module whose forward is the loss);
-    ``lr_scheduler`` (stepped per step or per epoch, ``train.lr_scheduler_interval``) and
-    ``grad_scaler`` are optional. Clipping follows ``train.clip_grad_norm``.
-    """
-
-    def __init__(self, session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, session: StepSession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
-        if session.grad_sync is None:
+        link = session.runner_link()  # the parts of a step only the session holds (runner_link.py)
+        if link.grad_sync is None:
             raise TypeError("StepRunner trains the module session.wrap(model, loss_fn) returned; wrap with a loss_fn")
-        train = session.cfg.train
-        self.session, self.model, self.optimizer = session, model, optimizer
+        train = session.config.train
+        self.session, self.link, self.model, self.optimizer = session, link, model, optimizer
         self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
         self.clip_grad_norm = train.clip_grad_norm
-        self.reads_no_norm = self.clip_grad_norm is None and not session.anomalies.check_gradients
+        self.reads_no_norm = self.clip_grad_norm is None and not link.checks_gradients
         self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
         self._autocast = session.autocast  # train.autocast_dtype, asked of the session (loop_keys.py)
 
     def run(self, batches: list[Any]) -> None:
-        """One optimizer step over this rank's micro-batches: forward and backward under the gradient sync,
-        each micro-batch's loss and metrics logged, the update taken only if ``session.gradients_ok`` agrees."""
-        session, sync, optimizer, scaler = self.session, self.session.grad_sync, self.optimizer, self.scaler
+        session, link, optimizer, scaler = self.session, self.link, self.optimizer, self.scaler
+        sync = link.grad_sync
         accum, step = len(batches), session.global_step
         for micro, batch in enumerate(batches):
             with sync.micro_batch(micro, accum, step):
@@ -63,15 +56,14 @@ class StepRunner:
                     # here on leaves a slot naming the step they reach (survivor.py).
                     session.rank_state_final()
                     if self.reads_no_norm:  # the losses are all logged: agree on them during the backward
-                        session.anomalies.agree_ahead(step + 1)
+                        link.agree_ahead(step + 1)
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sync.finish(accum)  # every rank holds the step's gradients
         failpoints.hit("optimizer-step", step + 1)  # tests: a rank killed here, its peers go on
         failpoints.corrupt_gradients(self.params, step + 1)  # tests: a fault on one rank after the all-reduce
-        norm: torch.Tensor | None = None
-        checked: float | None = None
-        if self.clip_grad_norm is not None or session.anomalies.check_gradients:
+        norm = checked = None
+        if self.clip_grad_norm is not None or link.checks_gradients:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if self.clip_grad_norm is not None:  # the norm clipping uses, checked as it is (FSDP: the global norm)
@@ -82,7 +74,7 @@ class StepRunner:
         # A scaler's non-finite gradients are its own to handle (it skips the step and lowers the scale), on every
         # rank: where they were finite (a fault on another rank after the all-reduce), it is told so.
         overflow = scaler is not None and scaler.is_enabled() and checked is not None and \
-            any_rank(not math.isfinite(checked), session.ctx)
+            link.any_rank(not math.isfinite(checked))
         if overflow and checked is not None and math.isfinite(checked):
             backed_off(scaler)
         elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank

@@ -33,8 +33,6 @@ from elastictrain.data.geometry import run_steps, scheduler_steps
 from elastictrain.data.sampling import batch_size_of, is_stream, samples_in, to_device
 from elastictrain.dist import ddp
 from elastictrain.dist import group as dist
-from elastictrain.dist.collectives import all_gather
-from elastictrain.dist.reduce import reduce_objects
 from elastictrain.train.session import RunSummary, Session
 from elastictrain.train.step_runner import StepRunner
 from elastictrain.train.task import PendingScheduler, Task, load_task, split_loss
@@ -70,6 +68,7 @@ class Trainer:
         self.cfg = load_config(config, overrides)
         self.task = Task(model, optimizer, train_data, loss_fn, val_data, lr_scheduler, grad_scaler, collate_fn)
         self.session = Session(self.cfg, observers=observers)
+        self._restored = False  # fit() has restored: the session knows the run's geometry
 
     @classmethod
     def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: Sequence[str] = (),
@@ -89,13 +88,13 @@ class Trainer:
 
     progress = property(lambda self: self.session.progress)
     history = property(lambda self: self.session.history)
-    run_log = property(lambda self: self.session.state.run_log)
+    run_log = property(lambda self: self.session.run_log)
     summary = property(lambda self: self.session.summary)  # after fit(): what it returned
 
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run; before ``fit``, those of a fresh start at the launch's world size."""
-        if self.session.tiers is not None:
+        if self._restored:
             return self.session.total_steps
         data = self.task.train_data
         return run_steps(self.cfg.train, None if is_stream(data) else samples_in(data), dist.planned_world_size(self.cfg.dist),
@@ -106,11 +105,9 @@ class Trainer:
         """How often ``lr_scheduler.step()`` is called in the run: per step, or per epoch (train.lr_scheduler_interval)."""
         return scheduler_steps(self.cfg.train, self.total_steps)
 
-    machine = property(lambda self: self.session.machine)
-
     def on(self, src: State | None = None, dst: State | None = None) -> Callable:
         """Decorator: run ``hook(src, dst, step)`` on a transition (None matches any state)."""
-        return self.session.machine.on(src, dst)
+        return self.session.on(src, dst)
 
     def fit(self) -> RunSummary:
         """Train to the end; raises ``Preempted`` (a SystemExit with code 143) after a preemption snapshot."""
@@ -131,6 +128,7 @@ class Trainer:
             if train.lr_scheduler_interval == "epoch" and scheduler is not None:
                 session.every_epoch(lambda: session.registered("lr_scheduler").step())
             session.restore()
+            self._restored = True
             runner = StepRunner(session, model, task.optimizer, lr_scheduler=session.registered("lr_scheduler"),
                                 grad_scaler=scaler)
             for _epoch in session.epochs():
@@ -138,7 +136,6 @@ class Trainer:
                 for batches in loader.steps():
                     runner.run(batches)
                     session.step()
-        assert session.summary is not None  # the session made it at DONE
         return session.summary
 
     def _evaluate(self, session: Session, model: torch.nn.Module, loader: Any) -> dict[str, float]:
@@ -147,10 +144,8 @@ class Trainer:
         plain.eval()
         # FSDP gathers each block's weights in its forward, a collective: through the sharded root, every rank
         # runs as many forwards (the extra ones repeat its last batch and count nothing).
-        ctx = session.ctx
-        assert ctx is not None  # set up: the session is in the with-block
-        sharded = self.cfg.dist.strategy == "fsdp" and ctx.distributed
-        forwards = max(all_gather(len(loader), ctx)) if sharded else 0
+        sharded = self.cfg.dist.strategy == "fsdp" and session.world_size > 1
+        forwards = max(session.all_gather(len(loader))) if sharded else 0
         count, batch = 0, None
         sums: dict[str, float] = {}
         with torch.no_grad(), session.autocast():
@@ -164,4 +159,4 @@ class Trainer:
             for _ in range(forwards - len(loader)):
                 model(batch)
         model.train()
-        return reduce_objects(count, sums, ctx)
+        return session.reduce_metrics({name: total / count for name, total in sums.items()} if count else {}, weight=count)

@@ -50,7 +50,7 @@ def main(overrides: list[str]) -> None:
     held = []
     raw_from = int(os.environ.get("HEAL_RAW_FROM", "0")) or None
     with Session(CONFIG, overrides) as session:
-        torch.manual_seed(session.cfg.run.seed)
+        torch.manual_seed(session.config.run.seed)
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ddp = session.wrap(model)
