@@ -2,10 +2,9 @@
 
 Two gloo workers under real ``torchrun`` train the step-overhead job's models (``_overhead_worker.py``'s
 tiny MLP and 4xLinear(1024)) under DDP, one intra-op thread each, in interleaved blocks of three kinds:
-``none`` (no agreement), ``after`` (the all-reduce after the backward, as ``gradients_ok`` makes it),
-``ahead`` (started before the backward, waited for after it) and ``carried`` (the flag in the gradient
-all-reduce, ``gradsync.CarriedFlag``, as ``Trainer`` does it when it reads no gradient norm, on a second copy
-of the model whose DDP has the hook). ``small`` is issue 52's 4xLinear(64) with SGD at batch 64. Reported: the median step time of each kind and the median over blocks of each kind's
+``none`` (no agreement), ``after`` (the all-reduce after the backward, as ``gradients_ok`` makes it) and
+``ahead`` (started before the backward, waited for after it, as ``Trainer`` makes it when it reads no
+gradient norm). Reported: the median step time of each kind and the median over blocks of each kind's
 step time over ``none``'s.
 
     PYTHONPATH=. .venv/bin/python benchmarks/agreement_cost.py --blocks 20
@@ -29,38 +28,29 @@ import torch.nn.functional as F
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from _overhead_worker import MODELS, dataset  # noqa: E402  (the step-overhead job's models and data)
-from elastictrain.gradsync import CarriedFlag  # noqa: E402
 
-KINDS = ("none", "after", "ahead", "carried")
-STEPS = {"tiny": 100, "wide": 10, "small": 100}  # steps a block
+KINDS = ("none", "after", "ahead")
+STEPS = {"tiny": 100, "wide": 10}  # steps a block
 
 
 def worker(model_name: str, blocks: int, out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    nets = []
-    for _ in range(2):  # the second one's DDP carries the flag
-        torch.manual_seed(0)
-        model = MODELS[model_name]()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2) if model_name == "small" else \
-            torch.optim.AdamW(model.parameters(), lr=1e-3)
-        nets.append((torch.nn.parallel.DistributedDataParallel(model), optimizer))
-    carry = CarriedFlag(nets[1][0])
-    inputs, labels = dataset(model_name, 64 if model_name == "small" else 32).tensors
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, labels = dataset(model_name, 32).tensors
 
     def step(kind: str) -> None:
-        ddp, optimizer = nets[kind == "carried"]
         loss = F.cross_entropy(ddp(inputs), labels)
         flag = torch.tensor([int(not torch.isfinite(loss).item())], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if kind == "ahead" else None
-        answer = carry.start(bool(flag.item())) if kind == "carried" else None
         loss.backward()
         if kind == "ahead":
             work.wait()
         elif kind == "after":
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        elif kind == "carried":
-            answer()
         flag.item()
         optimizer.step()
         optimizer.zero_grad()
