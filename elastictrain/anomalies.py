@@ -220,13 +220,11 @@ class Anomalies:
             self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
         return False
 
-    def agree_ahead(self, step: int, carrier: Callable[[bool], Callable[[], bool]] | None = None) -> None:
+    def agree_ahead(self, step: int) -> None:
         """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
-        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes), or
-        carried by that backward's gradient all-reduce (``carrier``: update_check.agree_ahead)."""
+        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
         if self.active and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
-            finding = finding_of(None, False, self._own_loss_of(step), self.host)
-            self._ahead = (step, agree_ahead(finding, self.ctx, carrier))
+            self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
 
     def _own_loss_of(self, step: int) -> float | None:
         return self._own_loss[1] if self._own_loss is not None and self._own_loss[0] == step else None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -44,28 +44,12 @@ from .snapshot import seed_rng
 from .stragglers import GradientSyncTimer
 
 
-# Gradients (elements) up to which a step's "any rank found something" rides in its gradient all-reduce (CarriedFlag)
-# rather than in a 1-element all-reduce of its own. With a comm hook DDP no longer divides the gradients while copying
-# them into its bucket: the hook divides in a pass of its own, about 0.1 ms a million elements on one core, where the
-# collective it saves costs 0.1-0.3 ms on a quiet 2-core machine and several under load (benchmarks/step_overhead.py).
-CARRY_FLAG_UP_TO = 1_000_000
-
-
 class DDPAccumulation:
     """DDP's all-reduce at the last micro-batch; the loss of each is divided by their number."""
 
     def __init__(self, model: nn.Module, timer: GradientSyncTimer) -> None:
         self.model = model
         self.timer = timer
-        self._flags: CarriedFlag | None = None
-
-    def flag_carrier(self) -> Callable[[bool], Callable[[], bool]] | None:
-        """How to make a flag every rank's inside the next backward's gradient all-reduce (``CarriedFlag.start``):
-        None where it does not pay (no DDP, or a model past CARRY_FLAG_UP_TO), and then a collective of its own."""
-        if self._flags is None and isinstance(self.model, nn.parallel.DistributedDataParallel):
-            if sum(p.numel() for p in self.model.parameters() if p.requires_grad) <= CARRY_FLAG_UP_TO:
-                self._flags = CarriedFlag(self.model)
-        return self._flags.start if self._flags is not None else None
 
     def micro_batch(self, index: int, count: int, step: int) -> AbstractContextManager:
         return ddp.no_sync(self.model, skip_sync=index < count - 1)  # a plain context: this runs at every micro-batch
@@ -75,51 +59,6 @@ class DDPAccumulation:
 
     def finish(self, count: int) -> None:
         self.timer.backward_done()  # the synchronising backward has returned: the all-reduce is done
-
-
-class CarriedFlag:
-    """A flag made every rank's by the step's gradient all-reduce, instead of a 1-element all-reduce of its own.
-
-    A DDP comm hook appends one element to the bucket DDP reduces first (index 0) in the backward
-    after ``start(flag)``: 1.0 where this rank's flag is set, 0.0 elsewhere; after the sum, a
-    positive value says some rank's was. The gradients are divided by the world size as DDP divides
-    them without a hook (a multiply by its inverse), then summed: the same bits as without the hook
-    at two ranks, and at any world size run after run. Every rank must start a flag before the same
-    backwards (the buckets' sizes must match): the step runner does, from replicated state.
-    """
-
-    def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
-        self._flag: float | None = None  # to carry in the next backward
-        self._carried: torch.Tensor | None = None  # the reduced flag, once that backward has run
-        self._inverse_world = 1.0 / torch_dist.get_world_size()
-        model.register_comm_hook(None, self._hook)
-
-    def start(self, flag: bool) -> Callable[[], bool]:
-        """Carry ``flag`` in the next backward's gradient all-reduce; the function returned, called after that
-        backward, says whether any rank's flag was set."""
-        self._flag, self._carried = (1.0 if flag else 0.0), None
-        return self._answer
-
-    def _answer(self) -> bool:
-        carried, self._carried = self._carried, None
-        if carried is None:  # a bug of the caller: every rank would wait on a different collective otherwise
-            raise RuntimeError("a carried flag was read before a backward's gradient all-reduce carried it")
-        return bool(carried.item() > 0)
-
-    def _hook(self, state, bucket):  # noqa: ANN001  DDP checks the annotations, which this module's are strings
-        gradients = bucket.buffer()
-        gradients.mul_(self._inverse_world)  # what DDP does as it copies them into the bucket when it has no hook
-        if self._flag is None or bucket.index() != 0:
-            return torch_dist.all_reduce(gradients, async_op=True).get_future().then(lambda f: f.value()[0])
-        flag, self._flag = self._flag, None
-        carrying = torch.cat([gradients, gradients.new_full((1,), flag)])
-
-        def carried(future: torch.futures.Future) -> torch.Tensor:
-            reduced = future.value()[0]
-            self._carried = reduced[-1]
-            return reduced[:-1]  # DDP copies the bucket's gradients from it
-
-        return torch_dist.all_reduce(carrying, async_op=True).get_future().then(carried)
 
 
 class VirtualShards:
@@ -154,9 +93,6 @@ class VirtualShards:
                 row[offset:offset + size].copy_(param.grad.reshape(-1))
                 param.grad = None
             offset += size
-
-    def flag_carrier(self) -> None:
-        return None  # the exchanges come after the backward: a flag has a collective of its own
 
     def scale(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         return loss  # each shard's gradient is of its own mean loss; finish() divides the sum by the shards

@@ -7,8 +7,7 @@ last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-b
 metrics to the session, and steps the optimizer unless ``session.gradients_ok`` (agreed by every
 rank) says not to. It tells the session when its per-rank state is final, before the last
 backward, so that survivor copies name the step this one completes; reading no gradient norm,
-it starts the ranks' agreement on their losses there too: carried by the backward's gradient
-all-reduce for a small DDP model (gradsync.CarriedFlag), else a collective overlapped with it.
+it starts the ranks' agreement on their losses there too, overlapped with the backward.
 ``Trainer`` uses it; a custom loop with one optimizer may too. Call ``session.step()`` after ``run``.
 """
 
@@ -37,8 +36,6 @@ class StepRunner:
         self.lr_scheduler, self.scaler = lr_scheduler, grad_scaler
         self.clip_grad_norm = train.clip_grad_norm
         self.reads_no_norm = self.clip_grad_norm is None and not session.anomalies.check_gradients
-        # Agreed before the backward, the update's flag rides in its gradient all-reduce where that pays (gradsync.py).
-        self.flag_carrier = session.grad_sync.flag_carrier() if self.reads_no_norm and session.anomalies.active else None
         self.params = list(model.parameters())
         self.per_step_scheduler = train.lr_scheduler_interval == "step"
         self._autocast = session.autocast  # train.autocast_dtype, asked of the session (loop_keys.py)
@@ -57,7 +54,7 @@ class StepRunner:
                     # here on leaves a slot naming the step they reach (survivor.py).
                     session.rank_state_final()
                     if self.reads_no_norm:  # the losses are all logged: agree on them during the backward
-                        session.anomalies.agree_ahead(step + 1, self.flag_carrier)
+                        session.anomalies.agree_ahead(step + 1)
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sync.finish(accum)  # every rank holds the step's gradients

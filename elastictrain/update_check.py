@@ -5,9 +5,8 @@ loss of the step. After the gradient all-reduce the norms are equal on every ran
 memory or device changed its gradients afterwards — and the losses are each rank's own, so each
 rank alone can come to a different answer. A skip taken by some ranks only leaves replicas that
 differ and a run that exits 0 with a wrong model. So each rank's ``Finding`` (``finding_of``, pure)
-is made every rank's (``agree``: one 1-element all-reduce, MAX of "this rank found something", or that flag
-carried by the step's gradient all-reduce where a step runner knows it before the backward; the findings
-themselves are gathered only when one was found) and ``decide_update`` (pure,
+is made every rank's (``agree``: one 1-element all-reduce, MAX of "this rank found something"; the
+findings themselves are gathered only when one was found) and ``decide_update`` (pure,
 table-tested) turns the same list into the same decision on every rank.
 """
 
@@ -80,15 +79,12 @@ def agree(finding: Finding | None, ctx: DistContext | None) -> list[Finding | No
     return all_gather(finding, ctx)
 
 
-def agree_ahead(finding: Finding | None, ctx: DistContext | None,
-                carrier: Callable[[bool], Callable[[], bool]] | None = None) -> Callable[[], list[Finding | None]]:
+def agree_ahead(finding: Finding | None, ctx: DistContext | None) -> Callable[[], list[Finding | None]]:
     """``agree`` with its all-reduce started now (overlapped with a backward, when this rank's finding is known
-    before it: its own loss); the returned function waits for it and gives every rank's finding. ``carrier``:
-    the gradient sync's way to carry the flag in that backward's gradient all-reduce (gradsync.CarriedFlag),
-    which saves the 1-element all-reduce; None: that all-reduce, started now."""
+    before it: its own loss); the returned function waits for it and gives every rank's finding."""
     if ctx is None or not ctx.distributed:
         return lambda: [finding]
-    anyone = (carrier or (lambda flag: any_rank_start(flag, ctx)))(finding is not None)
+    anyone = any_rank_start(finding is not None, ctx)
     return lambda: all_gather(finding, ctx) if anyone() else [None] * ctx.world_size
 
 

@@ -1,5 +1,4 @@
-"""The gradient syncs on real gloo ranks: the bitwise-elastic mode's same step at one world size and at two; a flag
-carried by DDP's all-reduce.
+"""The bitwise-elastic mode's gradient sync on real gloo ranks: the same step at one world size and at two.
 
 A small MLP with dropout trains three steps on a global batch of four virtual shards: in one
 process (all four shards local), on two spawned gloo ranks (two shards each) and on four (one
@@ -16,12 +15,10 @@ from torch import nn
 
 from elastictrain.dist import DistContext
 from elastictrain.errors import ConfigError
-from elastictrain.gradsync import (CARRY_FLAG_UP_TO, DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed,
-                                   tree_sum_rows)
+from elastictrain.gradsync import DDPAccumulation, VirtualShards, check_virtual_shards, shard_seed, tree_sum_rows
 from elastictrain.launch_env import LaunchEnv
 from elastictrain.snapshot import params_sha256
 from elastictrain.stragglers import GradientSyncTimer
-from elastictrain.update_check import Finding, agree_ahead, decide_update
 
 SHARDS, SHARD_SAMPLES, STEPS = 4, 8, 3
 
@@ -56,46 +53,18 @@ def train(ctx: DistContext, mode: str, dropout: float) -> str:
     return params_sha256(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
 
 
-def carried_flags(ctx: DistContext) -> tuple[list, list[str]]:
-    """STEPS steps of the same model twice from the same weights, by plain DDP and with the update's flag carried in
-    its all-reduce (rank 1 finds something at step 1): each step's agreed decision, and both runs' parameters."""
-    shas, decisions = [], []
-    for carry in (False, True):
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)))
-        carrier = DDPAccumulation(model, GradientSyncTimer()).flag_carrier() if carry else None
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(STEPS):
-            found = Finding("loss", float("nan"), own_loss=True) if ctx.rank == 1 and step == 1 else None
-            agreed = agree_ahead(found, ctx, carrier) if carry else None
-            inputs, targets = _shard_batch(step, ctx.rank)
-            nn.functional.cross_entropy(model(inputs), targets).backward()
-            if agreed is not None:
-                decisions.append(decide_update(agreed()))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        shas.append(params_sha256(model.module))
-    return decisions, shas
-
-
 def _rank(rank: int, world: int, port: int, mode: str, dropout: float, results) -> None:
     torch.set_num_threads(1)
     store = tdist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     tdist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         ctx = DistContext(LaunchEnv("env", rank=rank, world_size=world), True, torch.device("cpu"), "gloo", 60.0)
-        results.put((rank, carried_flags(ctx) if mode == "carried" else train(ctx, mode, dropout)))
+        results.put((rank, train(ctx, mode, dropout)))
     finally:
         tdist.destroy_process_group()
 
 
 def on_ranks(world: int, mode: str, dropout: float) -> str:
-    results = spawned(world, mode, dropout)
-    assert len(set(results.values())) == 1, "the ranks of one run disagree"
-    return results[0]
-
-
-def spawned(world: int, mode: str, dropout: float) -> dict[int, object]:
     from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
@@ -106,7 +75,7 @@ def spawned(world: int, mode: str, dropout: float) -> dict[int, object]:
     for worker in workers:
         worker.start()
     try:
-        found = dict(results.get(timeout=60) for _ in workers)
+        shas = dict(results.get(timeout=60) for _ in workers)
         for worker in workers:
             worker.join(30)
             assert worker.exitcode == 0
@@ -115,7 +84,8 @@ def spawned(world: int, mode: str, dropout: float) -> dict[int, object]:
             if worker.is_alive():
                 worker.kill()
                 worker.join()
-    return found
+    assert len(set(shas.values())) == 1, "the ranks of one run disagree"
+    return shas[0]
 
 
 def in_one_process(mode: str, dropout: float) -> str:
@@ -138,44 +108,6 @@ def test_virtual_shards_end_bitwise_equal_at_one_two_and_four_ranks_with_dropout
 def test_ddp_accumulation_sums_in_another_order_at_another_world_size():
     """What the bitwise-elastic mode is for: without dropout, the same samples still end in other bits."""
     assert on_ranks(2, "ddp", dropout=0.0) != in_one_process("ddp", dropout=0.0)
-
-
-@pytest.mark.slow
-def test_a_finding_of_one_rank_carried_in_the_gradient_all_reduce_holds_every_ranks_update():
-    """The update's agreement without a collective of its own: rank 1's finding at step 1 reaches rank 0 through the
-    step's gradient all-reduce, and the gradients end bitwise as plain DDP's."""
-    results = spawned(2, "carried", 0.0)
-    for rank, (decisions, (plain, carried)) in results.items():
-        assert [d.take for d in decisions] == [True, False, True], rank
-        assert decisions[1].ranks == (1,) and decisions[1].found.kind == "loss", rank
-        assert carried == plain, f"rank {rank}: the carried flag changed the gradients"
-    assert results[0][1] == results[1][1]
-
-
-def test_a_flag_rides_in_the_gradient_all_reduce_of_the_next_backward_only():
-    """One rank's gloo group in this process: the flag comes back through DDP's bucket, the gradients as without it."""
-    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
-        carry = DDPAccumulation(model, GradientSyncTimer()).flag_carrier()
-        for step, flag in enumerate([True, False, True]):
-            agreed = carry(flag)
-            inputs, targets = _shard_batch(step, 0)
-            for module in (plain, model):
-                module.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(module(inputs), targets).backward()
-            assert agreed() is flag
-            assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
-        with pytest.raises(RuntimeError, match="before a backward"):
-            carry(True)()  # no backward carried it: a caller's bug, never a silent "nothing found"
-        assert DDPAccumulation(model.module, GradientSyncTimer()).flag_carrier() is None  # no DDP: a collective
-        big = nn.parallel.DistributedDataParallel(nn.Linear(CARRY_FLAG_UP_TO, 1))
-        assert DDPAccumulation(big, GradientSyncTimer()).flag_carrier() is None  # its own pass over the gradients
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_the_tree_adds_each_row_to_the_one_half_a_level_away():
