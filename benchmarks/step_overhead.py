@@ -46,16 +46,18 @@ MODES.update({"session": {}, "trainer_all_on": EVERYTHING, "session_all_on": EVE
 WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session"}  # the rest: Trainer
 
 
-def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path) -> float:
+def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, root: pathlib.Path = REPO_ROOT) -> float:
+    """One job of ``mode`` on ``model``; ``root``: the checkout whose elastictrain it runs (``--before``)."""
     out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=127.0.0.1:0", str(WORKER), f"--mode={WORKER_MODE.get(mode, 'elastictrain')}",
+               "--rdzv-endpoint=127.0.0.1:0", str(root / WORKER.relative_to(REPO_ROOT)),
+               f"--mode={WORKER_MODE.get(mode, 'elastictrain')}",
                f"--model={model}", f"--steps={steps}", f"--out={out}", f"--run-dir={workdir / f'run-{out.stem}'}",
                f"--warmup={min(30, steps // 3)}", f"--batch-size={64 if model == 'small' else 32}"]
     config = json.loads(json.dumps(MODES[mode] or {}))
     if "local" in config.get("snapshot", {}):
         config["snapshot"]["local"]["url"] = str(workdir / f"fast-{out.stem}")
-    env = {**os.environ, "OVERHEAD_CONFIG": json.dumps(config), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OVERHEAD_CONFIG": json.dumps(config), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     return run_job(command, env, out, f"{mode} on {model}", workdir)
 
 
@@ -94,10 +96,16 @@ def main() -> None:
                         help=f"comma-separated, hand first: {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=0, help="steps a job (0: 200 wide, 600 otherwise)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "step_overhead.json"))
+    parser.add_argument("--before", default="", help="another checkout (e.g. `git worktree add /tmp/before main`): "
+                        "each mode but hand also runs on its code, as <mode>@before, in the same rounds")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if modes[0] != "hand" or any(m not in MODES for m in modes):
         parser.error(f"--modes must start with hand and name only {', '.join(MODES)}")
+    roots = {mode: REPO_ROOT for mode in modes}
+    if args.before:
+        roots.update({f"{mode}@before": pathlib.Path(args.before).resolve() for mode in modes[1:]})
+        modes = [modes[0], *(m for mode in modes[1:] for m in (mode, f"{mode}@before"))]
     results, loads = {}, [load()]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = pathlib.Path(tmp)
@@ -107,21 +115,29 @@ def main() -> None:
             for repeat in range(args.repeats):
                 order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]  # rotate the order
                 for mode in order:
-                    times[mode].append(run_once(mode, model, n, workdir))
+                    times[mode].append(run_once(mode.removesuffix("@before"), model, n, workdir, roots[mode]))
                 loads.append(load())
             results[model] = {f"{mode}_step_ms": [t * 1e3 for t in times[mode]] for mode in modes}
             for mode in modes[1:]:
                 ratios = [e / h for e, h in zip(times[mode], times["hand"], strict=True)]
                 results[model][f"{mode}_ratios"] = ratios
                 results[model][f"{mode}_median_ratio"] = statistics.median(ratios)
+                if f"{mode}@before" in times:  # this checkout against the other, paired within each round
+                    paired = [a / b for a, b in zip(times[mode], times[f"{mode}@before"], strict=True)]
+                    results[model][f"{mode}_over_before_ratios"] = paired
+                    results[model][f"{mode}_over_before_median"] = statistics.median(paired)
     print(f"load average (1 min) at start and after each round: {', '.join(f'{x:.1f}' for x in loads)}")
-    print("| model | mode | step ms (median) | ratio to hand, median of paired (min-max) |")
-    print("|---|---|---|---|")
+    with_before = " | this checkout / --before, median of paired (min-max)" if args.before else ""
+    print(f"| model | mode | step ms (median) | ratio to hand, median of paired (min-max){with_before} |")
+    print("|---|---|---|---|" + ("---|" if args.before else ""))
     for model, r in results.items():
         for mode in modes:
             ratio = "1" if mode == "hand" else \
                 f"{r[mode + '_median_ratio']:.3f} ({min(r[mode + '_ratios']):.2f}-{max(r[mode + '_ratios']):.2f})"
-            print(f"| {model} | {mode} | {statistics.median(r[mode + '_step_ms']):.3f} | {ratio} |")
+            before = "" if f"{mode}_over_before_median" not in r else \
+                f" | {r[mode + '_over_before_median']:.3f} ({min(r[mode + '_over_before_ratios']):.2f}-" \
+                f"{max(r[mode + '_over_before_ratios']):.2f})"
+            print(f"| {model} | {mode} | {statistics.median(r[mode + '_step_ms']):.3f} | {ratio}{before} |")
     pathlib.Path(args.out).write_text(json.dumps({
         "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats, "modes": modes,
         "load_average": loads, "results": results,
