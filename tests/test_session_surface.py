@@ -1,6 +1,6 @@
 """The Session's public surface is small, documented, and the only one its clients use.
 
-``Trainer`` (train/trainer.py), ``StepRunner`` (step_runner.py), the examples and the benchmarks are read as source (an AST
+``Trainer`` (train/trainer.py), ``StepRunner`` (train/step_runner.py), the examples and the benchmarks are read as source (an AST
 scan): every ``session.<name>`` they touch must be one of ``PUBLIC``, the names the custom-loop guide tables. The
 Session class itself must define exactly those names without a leading underscore, so a new public attribute is a
 decision made here and in the guide, not an accident.
@@ -31,7 +31,7 @@ PUBLIC = {
     "config", "progress", "history", "run_log", "goodput", "global_step", "epoch", "device", "rank", "world_size",
     "is_main", "done", "summary", "grad_accum_steps", "total_steps",
 }
-CLIENTS = [ROOT / "elastictrain" / "train/trainer.py", ROOT / "elastictrain" / "step_runner.py",
+CLIENTS = [ROOT / "elastictrain" / "train" / "trainer.py", ROOT / "elastictrain" / "train" / "step_runner.py",
            *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
 # A benchmark that measures an internal says so with a private name; each such look is listed here.
 LOOKS_INSIDE = {("snapshot_cost.py", "_restoring")}  # the staging buffers' size
