@@ -38,22 +38,7 @@ def test_rank_0_acts_alone_and_every_rank_returns_its_result_or_raises_its_user_
     from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
-    context = ranks.context()
-    results = context.Queue()
-    port = free_port()
-    workers = [context.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
-    for worker in workers:
-        worker.start()
-    try:
-        out = dict((rank, rest) for rank, *rest in (results.get(timeout=60) for _ in workers))
-        for worker in workers:
-            worker.join(30)
-            assert worker.exitcode == 0
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+    out = dict((rank, rest) for rank, *rest in ranks.run(_rank, 2, free_port()))
     raised = ("StorageUnavailable", "the store did not answer; retry later")
     assert out[0] == [[0], {"run_id": "abc"}, raised]
     assert out[1] == [[], {"run_id": "abc"}, raised]

@@ -68,22 +68,7 @@ def on_ranks(world: int, mode: str, dropout: float) -> str:
     from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
-    context = ranks.context()  # fresh processes, forked from a torch-preloaded server
-    results = context.Queue()
-    port = free_port()
-    workers = [context.Process(target=_rank, args=(rank, world, port, mode, dropout, results)) for rank in range(world)]
-    for worker in workers:
-        worker.start()
-    try:
-        shas = dict(results.get(timeout=60) for _ in workers)
-        for worker in workers:
-            worker.join(30)
-            assert worker.exitcode == 0
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+    shas = dict(ranks.run(_rank, world, world, free_port(), mode, dropout))  # fresh ranks, forked from a preloaded server
     assert len(set(shas.values())) == 1, "the ranks of one run disagree"
     return shas[0]
 

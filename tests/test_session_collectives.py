@@ -79,21 +79,7 @@ def test_the_collectives_on_two_gloo_ranks():
     from tests.helpers import ranks
     from tests.helpers.agents import free_port
 
-    context = ranks.context()
-    results, port = context.Queue(), free_port()
-    workers = [context.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
-    for worker in workers:
-        worker.start()
-    try:
-        seen = dict(results.get(timeout=60) for _ in workers)
-        for worker in workers:
-            worker.join(30)
-            assert worker.exitcode == 0
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+    seen = dict(ranks.run(_rank, 2, free_port()))
     expected = {"sum": [3.0, 6.0], "max": 6, "min": -1.0, "mean": [0.5], "gather": ["r0", "r1"],
                 "broadcast": {"from": 1}, "metrics": {"loss": 2.0, "f1": 0.5}}  # loss: (3 * 1 + 1 * 5) / 4
     assert seen == {0: expected, 1: expected}

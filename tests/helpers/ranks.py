@@ -17,3 +17,25 @@ def context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def run(target, world: int, *args) -> list:
+    """Start ``target(rank, *args, results)`` on ``world`` fresh ranks; each puts one item on ``results``.
+
+    Returns the items in the order they arrived, after every rank exited 0; a rank left alive is killed."""
+    ctx = context()
+    results = ctx.Queue()
+    workers = [ctx.Process(target=target, args=(rank, *args, results)) for rank in range(world)]
+    for worker in workers:
+        worker.start()
+    try:
+        got = [results.get(timeout=60) for _ in workers]
+        for worker in workers:
+            worker.join(30)
+            assert worker.exitcode == 0
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    return got
