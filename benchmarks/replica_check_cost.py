@@ -51,7 +51,7 @@ MODES = ("fingerprint", "check", "snapshot, blocking", "snapshot, /dev/shm", "sn
 def worker(rank: int, port: int, scratch: str, repeats: int, results: dict) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks._big_task import build
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
     from elastictrain.dist.ddp import wrap_model
     from elastictrain.dist.group import DistContext
     from elastictrain.launcher.launch_env import LaunchEnv

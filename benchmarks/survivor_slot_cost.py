@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks._goodput_worker import build_model
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 prepare_environment()  # before anything calls MKL (elastictrain/core/threads.py)
 
 _EXPORTS = {
-    "Config": "core.config", "load_config": "core.config",
+    "Config": "core.config", "load_config": "core.config_load",
     "ConfigError": "core.errors", "DistributedSetupError": "core.errors", "ElastictrainError": "core.errors",
     "UsageError": "core.errors", "PeerLost": "core.errors", "SnapshotError": "core.errors",
     "StorageError": "core.errors", "StorageUnavailable": "core.errors",

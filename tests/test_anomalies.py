@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.health.anomalies import AnomalyLog, GradNormStatistic, Sighting, judge, of_ranks, where
+from elastictrain.health.anomalies import of_ranks, where
+from elastictrain.health.anomaly_state import AnomalyLog, GradNormStatistic, Sighting, judge
 from elastictrain.data.sampling import Shard, ShardedBatchSampler, epoch_order
 from elastictrain.core.errors import AnomalyError
 from elastictrain.train.session import Session

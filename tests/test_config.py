@@ -10,7 +10,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from elastictrain.core.config import Config, load_config
+from elastictrain.core.config import Config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.config_errors import _model_at
 from elastictrain.core.errors import ConfigError
 from tests.conftest import python_command
@@ -185,7 +186,7 @@ def test_yaml_off_still_turns_the_thread_count_off_and_booleans_stay_booleans():
                                  "overrides=['train.max_epochs=2']"),  # before: "override 't' is not of the form ..."
 ])
 def test_config_sources_that_mislead_are_one_line_saying_what_to_do(tmp_path, monkeypatch, source, overrides, expected):
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
     from elastictrain.core.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)

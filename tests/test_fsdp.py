@@ -23,7 +23,7 @@ from torch import nn
 
 from elastictrain.snapshot import fast_restore, fast_shards
 from elastictrain.dist import fsdp
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.errors import ConfigError
 from elastictrain.storage.manifest import Manifest
 from elastictrain.snapshot.format import params_sha256

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.idle_keys import REQUIRES, flat_values, idle_keys, idle_keys_line
 
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.storage.snapshot_store import SnapshotStore
 from elastictrain.train.tasks import spirals
 from tests.conftest import parse_job

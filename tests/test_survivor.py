@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums

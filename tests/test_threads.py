@@ -115,13 +115,13 @@ def test_a_snapshot_from_another_kernel_set_is_named_in_the_startup_line():
 
 @pytest.mark.parametrize(("given", "expected"), [("off", "off"), ("auto", "auto"), ("3", 3)])
 def test_the_setting_reads_as_written_on_the_command_line(given, expected):
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
 
     assert load_config(None, [f"train.intra_op_threads={given}"]).train.intra_op_threads == expected  # YAML: off is false
 
 
 def test_a_setting_that_is_no_count_is_one_line():
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
     from elastictrain.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.intra_op_threads"):

@@ -25,7 +25,8 @@ import pytest
 from tests.conftest import REPO_ROOT, WARM, job_env, parse_job, torchrun_launcher
 from tests.helpers import procs
 from tests.helpers.jobs import start_steps
-from elastictrain.core.config import REDACTED, load_config
+from elastictrain.core.config import REDACTED
+from elastictrain.core.config_load import load_config
 from elastictrain.core.events import SnapshotReport, TrainInterval
 from elastictrain.train.runstate import RunState
 from elastictrain.observe.trackers.background import TrackerThread

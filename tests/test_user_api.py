@@ -179,7 +179,7 @@ def test_a_rollback_past_a_scheduled_lr_step_is_not_warned_about_as_a_changed_lr
     """Found by the chaos soak: a rollback restores into the running optimizer, whose lr a scheduler has moved since
     the snapshot; what the user chose (the starting lr) is the same, so no "start fresh" advice."""
     from elastictrain.snapshot import resume_checks
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
 
     cfg = load_config({"run": {"dir": "/tmp/a-run"}})
     said = []
@@ -207,7 +207,7 @@ def test_an_optimizer_state_is_refused_only_when_this_optimizer_cannot_take_it()
     """Keys one side only has are a torch version's new options (accepted); keys differing both ways are another
     class, and another number of parameter groups cannot load either."""
     from elastictrain.snapshot import resume_checks
-    from elastictrain.core.config import load_config
+    from elastictrain.core.config_load import load_config
 
     cfg = load_config()
     model = torch.nn.Linear(2, 2)

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from elastictrain.core.config import load_config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line
 from elastictrain.core.excepthook import say_user_error
 from elastictrain.core.fatal import marker_path

@@ -123,7 +123,7 @@ def _render_goodput(goodput: dict[str, Any]) -> str:
 
 def _render_config(config: dict[str, Any]) -> list[str]:
     """The keys that differ from the built-in defaults; ``--json`` has the whole config."""
-    from elastictrain.core.config import load_config  # pydantic only here: listing and verifying stay light
+    from elastictrain.core.config_load import load_config  # pydantic only here: listing and verifying stay light
 
     defaults = dict(_flatten(load_config(None).to_dict(redact=True)))
     changed = [(key, value) for key, value in _flatten(config) if defaults.get(key) != value]

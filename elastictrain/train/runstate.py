@@ -17,7 +17,7 @@ from typing import Any, Literal
 from elastictrain.core.progress import History, Progress, RunLog
 from elastictrain.core.threads import ThreadPin
 from elastictrain.data.geometry import BatchGeometry
-from elastictrain.health.anomalies import AnomalyLog, GradNormStatistic
+from elastictrain.health.anomaly_state import AnomalyLog, GradNormStatistic
 from elastictrain.observe.goodput import Goodput
 from elastictrain.observe.trackers.ids import TrackingIds
 

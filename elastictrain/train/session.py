@@ -25,7 +25,8 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from elastictrain.core.config import Config, load_config
+from elastictrain.core.config import Config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.config_view import ConfigView
 from elastictrain.core.events import Observer, Observers
 from elastictrain.core.states import State, StateMachine

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from elastictrain.core.config import Config, load_config
+from elastictrain.core.config import Config
+from elastictrain.core.config_load import load_config
 from elastictrain.core.events import Observer
 from elastictrain.core.progress import Progress
 from elastictrain.core.rng import seed_rng
