@@ -275,6 +275,32 @@ def test_points_wait_for_a_committed_snapshot_and_a_restore_from_an_older_one_wr
         (step, round(step / 100, 6)) for step in range(6, 11)]
 
 
+def test_a_restart_marker_an_attempt_died_before_writing_is_written_by_the_next_attempt_and_none_twice(tmp_path):
+    """Markers are written on the tracker's thread, which a SIGKILL can beat (its import and open take seconds under
+    load): the next attempt writes every restart of the run log it restored that the backend does not store yet. Two
+    attempts that resumed from the same step (the first killed before its next snapshot) stay two markers."""
+    directory = tmp_path / "tensorboard"
+    fresh, at_15 = dict(rc=1, step=0, unix=100.0, reason="fresh"), dict(rc=2, step=15, unix=115.0, reason="restart")
+    at_25, again_at_25 = dict(rc=3, step=25, unix=125.0, reason="restart"), dict(rc=4, step=25, unix=130.0, reason="restart")
+
+    def resumed(attempts: list[dict]) -> None:
+        run = RunState(1)
+        for entry in attempts:
+            run.run_log.begin(restart_count=entry["rc"], world_size=2, start_step=entry["step"], launcher="torchrun",
+                              started_unix=entry["unix"], restored=entry["reason"] != "fresh")
+        tracking = Tracking([TrackerThread("tensorboard", lambda: TensorBoardBackend(str(directory)))], run, {})
+        tracking.started(SimpleNamespace(store=None))
+        tracking.restored(attempts[-1]["step"], 0.0, attempts[-1]["reason"] != "fresh")
+        tracking.closed()
+
+    resumed([fresh])  # wrote its marker; the attempt at step 15 was killed before its thread wrote one
+    resumed([fresh, at_15, at_25])  # killed before the next snapshot: the next attempt resumes from step 25 too
+    resumed([fresh, at_15, again_at_25])
+    markers = sorted((step, value) for tag, step, value in tensorboard_points(directory) if tag == MARKER)
+    assert markers == [(0, 1.0), (15, 2.0), (25, 3.0), (25, 3.0)]
+    assert sorted(wall_times(directory, MARKER)) == [100.0, 115.0, 125.0, 130.0]  # each when its attempt started
+
+
 def test_a_password_in_the_mlflow_uri_is_redacted_where_the_config_is_logged_or_saved():
     config = load_config(None, ["track.mlflow_uri=https://alice:s3cret@mlflow.example:5000/"])
     assert config.to_dict(redact=True)["track"]["mlflow_uri"] == f"https://{REDACTED}@mlflow.example:5000/"

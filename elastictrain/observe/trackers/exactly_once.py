@@ -43,6 +43,9 @@ class Backend(Protocol):
     def write(self, points: list[Point]) -> None:
         """(name, step, value, unix time the point was measured); a point sent twice is stored once."""
 
+    def markers(self) -> set[tuple[int, int, int]]:
+        """The restart markers stored, as (step, attempt, unix time in ms): ``marker_key`` of each."""
+
     def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None: ...
 
     def log_config(self, config: dict[str, Any]) -> None: ...
@@ -53,6 +56,28 @@ class Backend(Protocol):
 
 
 Point = tuple[str, int, float, float]
+Marker = tuple[int, int, str, float]  # step, attempt, reason, unix time the attempt started
+
+
+def restart_markers(attempts: list[dict[str, Any]]) -> list[Marker]:
+    """A marker for every attempt of the run log that restarted it, numbered as the log counts attempts.
+
+    All of them, not only this attempt's: an attempt killed before its tracker thread wrote its marker is in the
+    snapshot this attempt restored, and its marker is written now (the backends skip markers they store).
+    """
+    markers = []
+    for number, attempt in enumerate(attempts, start=1):
+        # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.
+        if number > 1 or attempt["restart_count"] > 0:
+            reason = "restart before the first snapshot" if attempt["reason"] == "fresh" else attempt["reason"]
+            markers.append((attempt["start_step"], number, reason, attempt["started_unix"]))
+    return markers
+
+
+def marker_key(marker: Marker) -> tuple[int, int, int]:
+    """What tells one restart from another: two attempts that resumed from the same step are two markers."""
+    step, attempt, _, wall_time_s = marker
+    return step, attempt, int(wall_time_s * 1000)
 
 
 def metric_points(record: dict[str, Any]) -> list[tuple[str, float]]:
@@ -84,13 +109,8 @@ class Tracking(Observer):
         self.cursor = 0
         self.run.tracking.forget_times_after(step)
         self.run.tracking.ensure_creator(self.store)  # before the tracker thread opens the run, and the broadcast
-        attempts = self.run.run_log.attempts
-        marker = None
-        # A restart before the first snapshot starts fresh: only the launcher's count tells it from a first start.
-        if len(attempts) > 1 or attempts[-1]["restart_count"] > 0:
-            reason = attempts[-1]["reason"]
-            marker = (step, len(attempts), "restart before the first snapshot" if reason == "fresh" else reason, time.time())
-        self._each("start", lambda backend: self._start(backend, marker))
+        markers = restart_markers(self.run.run_log.attempts)
+        self._each("start", lambda backend: self._start(backend, markers))
 
     def rolled_back(self, from_step: int, to_step: int, duration_s: float) -> None:
         # ROLLBACK (anomalies.py) put back an older history: read it from the start too, skipping what is stored.
@@ -120,7 +140,7 @@ class Tracking(Observer):
         for tracker in self.trackers:
             tracker.close()
 
-    def _start(self, backend: Backend, marker: tuple[int, int, str, float] | None) -> None:
+    def _start(self, backend: Backend, markers: list[Marker]) -> None:
         """On the tracker's thread, retried until it succeeds: each part done once."""
         if backend.name not in self.created:
             self.created[backend.name] = backend.open(self.run.tracking, self.store)
@@ -129,8 +149,11 @@ class Tracking(Observer):
             self.created[backend.name] = False
         if backend.name not in self.written:
             self.written[backend.name] = backend.written()
-        if marker is not None:
-            backend.mark_restart(*marker)
+        stored = backend.markers()
+        for marker in markers:  # an earlier attempt killed before its thread wrote its own marker: written now
+            if marker_key(marker) not in stored:
+                backend.mark_restart(*marker)
+                stored.add(marker_key(marker))
 
     def _write_through(self, step: int | None) -> None:
         records = self.run.history.records

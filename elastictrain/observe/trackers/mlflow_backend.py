@@ -94,6 +94,10 @@ class MlflowBackend:
         for start in range(0, len(metrics), MAX_METRICS):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS])
 
+    def markers(self) -> set[tuple[int, int, int]]:
+        history = self.client.get_metric_history(self.run_id, RESTART_MARKER)
+        return {(metric.step, round(metric.value), metric.timestamp) for metric in history}
+
     def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None:
         self.client.log_metric(self.run_id, RESTART_MARKER, attempt, timestamp=int(wall_time_s * 1000), step=step)
         self.client.set_tag(self.run_id, f"elastictrain.attempt.{attempt}", f"{reason} at step {step}")

@@ -17,20 +17,33 @@ RESTART_MARKER = "elastictrain/restart"
 CONFIG_TAG, SUMMARY_TAG = "elastictrain/config", "elastictrain/summary"
 
 
-def stored_steps(directory: str) -> dict[str, int]:
-    """The highest step of every tag in the event files of ``directory`` (a torn last record is ignored)."""
+def stored_steps(directory: str) -> tuple[dict[str, int], set[tuple[int, int, int]]]:
+    """The highest step of every tag in the event files of ``directory`` (a torn last record is ignored), and the
+    restart markers as (step, attempt, unix time in ms)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     stored: dict[str, int] = {}
+    markers: set[tuple[int, int, int]] = set()
     if not os.path.isdir(directory):
-        return stored
+        return stored, markers
     for name in sorted(os.listdir(directory)):
         if "tfevents" not in name:
             continue
         for event in EventFileLoader(os.path.join(directory, name)).Load():
             for value in event.summary.value:
                 stored[value.tag] = max(stored.get(value.tag, -1), event.step)
-    return stored
+                if value.tag == RESTART_MARKER:
+                    markers.add((event.step, round(scalar_of(value)), int(event.wall_time * 1000)))
+    return stored, markers
+
+
+def scalar_of(value: Any) -> float:
+    """A scalar summary value as the writer stored it: simple_value, or a one-element tensor."""
+    if value.HasField("tensor"):
+        from tensorboard.util import tensor_util
+
+        return float(tensor_util.make_ndarray(value.tensor).item())
+    return float(value.simple_value)
 
 
 def check_installed() -> None:
@@ -49,9 +62,10 @@ class TensorBoardBackend:
         self._writer_class, self.directory = SummaryWriter, directory
         self.writer: SummaryWriter | None = None  # open() makes it
         self._tags: dict[str, int] = {}
+        self._markers: set[tuple[int, int, int]] = set()
 
     def open(self, ids: TrackingIds, store: Any) -> bool:
-        self._tags = stored_steps(self.directory)
+        self._tags, self._markers = stored_steps(self.directory)
         # Each attempt appends a file of its own: TensorBoard reads the directory's files as one run.
         self.writer = self._writer_class(log_dir=self.directory)
         return not any(tag.startswith(CONFIG_TAG) for tag in self._tags)
@@ -68,6 +82,9 @@ class TensorBoardBackend:
         for name, step, value, wall_time_s in points:
             self._open_writer.add_scalar(name, value, step, walltime=wall_time_s)
         self._open_writer.flush()
+
+    def markers(self) -> set[tuple[int, int, int]]:
+        return set(self._markers)
 
     def mark_restart(self, step: int, attempt: int, reason: str, wall_time_s: float) -> None:
         self._open_writer.add_scalar(RESTART_MARKER, attempt, step, walltime=wall_time_s)
