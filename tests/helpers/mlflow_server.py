@@ -25,9 +25,11 @@ class MlflowServer:
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--workers", "1", "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
                    "--default-artifact-root", str(workdir / "artifacts")]
+        # Without MLflow's job runner: the tests need none, and it leaves a directory in /dev/shm behind per start.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                         cwd=workdir, start_new_session=True, preexec_fn=_die_with_parent)
+                                         cwd=workdir, start_new_session=True, preexec_fn=_die_with_parent, env=env)
         self.children: set[int] = set()
         self._wait_until_serving()
 
