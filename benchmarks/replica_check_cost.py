@@ -8,7 +8,7 @@ every repetition in a rotated order:
 
 - ``fingerprint``: ``replicas.fingerprint`` of the model and the optimizer on each rank;
 - ``check``: ``ReplicaCheck.check``, the fingerprint and the ``all_gather`` of the digests;
-- ``snapshot, blocking``: ``Snapshotter.save`` of the same state into a store under ``--dir``
+- ``snapshot, blocking``: ``DurableTier.save`` of the same state into a store under ``--dir``
   (the durable tier written while training waits);
 - ``snapshot, /dev/shm``: the same into /dev/shm (the fast tier's medium);
 - ``snapshot, background``: ``snapshot.durable.async_write=true``: what training waits for (the
@@ -56,7 +56,7 @@ def worker(rank: int, port: int, scratch: str, repeats: int, results: dict) -> N
     from elastictrain.dist.group import DistContext
     from elastictrain.launcher.launch_env import LaunchEnv
     from elastictrain.health.replicas import ReplicaCheck, fingerprint
-    from elastictrain.snapshot.snapshotter import Snapshotter
+    from elastictrain.snapshot.snapshotter import DurableTier
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -73,11 +73,11 @@ def worker(rank: int, port: int, scratch: str, repeats: int, results: dict) -> N
     state_bytes += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
     check = ReplicaCheck(ctx, objects, enabled=True)
 
-    def snapshotter(name: str, root: str, background: bool) -> Snapshotter:
+    def snapshotter(name: str, root: str, background: bool) -> DurableTier:
         cfg = load_config(None, [f"run.dir={scratch}/run", f"snapshot.durable.url={root}/{name}",
                                  f"snapshot.durable.async_write={str(background).lower()}", "snapshot.durable.keep_last=1",
                                  "dist.check_replicas=false"])
-        return Snapshotter(cfg, ctx, model, {"optimizer": optimizer})
+        return DurableTier(cfg, ctx, model, {"optimizer": optimizer})
 
     shm = tempfile.mkdtemp(prefix="replica-check-", dir="/dev/shm") if rank == 0 else None
     shm = [shm]

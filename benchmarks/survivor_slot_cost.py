@@ -29,7 +29,7 @@ from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums
 from elastictrain.core.progress import History, Progress
-from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.snapshot.local_tier import LocalTier
 from elastictrain.snapshot.survivor import SurvivorCopies
 
 CPU = torch.device("cpu")
@@ -59,8 +59,8 @@ def main() -> None:
         cfg = load_config(None, [f"snapshot.local.url={root}"])
         ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0, round_id="r")
         progress, history, sums = Progress(), History(), WeightedSums(CPU)
-        fast = Snapshotter(cfg, ctx, model, {"progress": progress, "history": history}, tier="local",
-                           rank_statefuls={"train_sums": sums})
+        fast = LocalTier(cfg, ctx, model, {"progress": progress, "history": history},
+                         rank_statefuls={"train_sums": sums})
         copies = SurvivorCopies(fast, 2, "r", progress, history, fast.rank_state_now)
         copies.open()
         for _ in range(25):

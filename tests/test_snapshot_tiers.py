@@ -109,10 +109,10 @@ def test_when_no_fast_copy_verifies_the_durable_store_is_read(tmp_path, capfd):
 
 
 def test_a_fast_tier_that_does_not_fit_is_refused_before_its_first_write(tmp_path, monkeypatch, capfd):
-    import elastictrain.snapshot.snapshotter as snapshotter_module
+    import elastictrain.snapshot.local_tier as local_tier_module
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(local_tier_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
     durable = memory_url()
     run = trainer(tmp_path, durable)
     with pytest.raises(ConfigError, match=r"needs about .* MB \(2 kept \+ 1 being written.*has 0 MB free"):
@@ -126,14 +126,14 @@ def test_a_restart_onto_a_tier_full_for_now_trains_on_with_warnings_instead_of_s
     """Found by the chaos soak: the node's memory filled by something else while a worker restarts. The tier held
     this run's copies (it fits); the restarted attempt's copies fail with warnings, the run goes on to its end."""
     import elastictrain.storage.commit as commit_module
-    import elastictrain.snapshot.snapshotter as snapshotter_module
+    import elastictrain.snapshot.local_tier as local_tier_module
 
     durable = memory_url()
     with pytest.raises(ValueError, match="a bug in the user"):
         trainer(tmp_path, durable, raise_at=27).fit()
     assert local_steps(tmp_path) == [20, 24]
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(snapshotter_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(local_tier_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -25,7 +25,7 @@ from elastictrain.dist.reduce import WeightedSums
 from elastictrain.core.rng import capture_rng_compact, restore_rng, rng_from_compact
 from elastictrain.core.progress import History, Progress
 from elastictrain.snapshot.format import load_object
-from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.snapshot.local_tier import LocalTier
 from elastictrain.storage.snapshot_store import SnapshotStore
 from elastictrain.snapshot.survivor import StepSlots, SurvivorCopies
 
@@ -127,8 +127,8 @@ class Node:
         self.progress = Progress()
         self.history = History()
         self.sums = WeightedSums(CPU)
-        fast = Snapshotter(cfg, ctx, self.model, {"progress": self.progress, "history": self.history}, tier="local",
-                           rank_statefuls={"train_sums": self.sums})
+        fast = LocalTier(cfg, ctx, self.model, {"progress": self.progress, "history": self.history},
+                         rank_statefuls={"train_sums": self.sums})
         self.store = SnapshotStore(fast.url)
         self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state_now)
         self.copies.open()

@@ -34,7 +34,7 @@ CopyKey = tuple[int, str]  # (step, the checksum of its DCP .metadata): one save
 
 
 class NodeTier(Protocol):
-    """What restoring from the nodes' copies reads of the fast tier (snapshotter.Snapshotter is one): this module
+    """What restoring from the nodes' copies reads of the fast tier (local_tier.LocalTier is one): this module
     takes the tier, it never imports the snapshotter that calls it."""
 
     is_writer: bool  # this rank writes, and so reads, its node's copies

@@ -45,7 +45,7 @@ _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
 
 
 class SnapshotTier(NodeTier, Protocol):
-    """What restoring reads of a tier and loads into (snapshotter.Snapshotter is one, and calls ``restore_newest``
+    """What restoring reads of a tier and loads into (snapshotter.DurableTier is one, and calls ``restore_newest``
     with itself): this module takes the tier, it never imports the snapshotter."""
 
     cfg: Config
@@ -56,6 +56,10 @@ class SnapshotTier(NodeTier, Protocol):
     train_samples: int | None
     sharded: ShardedState | None  # dist.strategy=fsdp
     last_committed: tuple[int, float] | None
+
+
+class FastTier(SnapshotTier, Protocol):
+    """The node-local tier restoring also reads (local_tier.LocalTier is one)."""
 
     def join_run(self, run_id: str) -> str | None: ...
 
@@ -72,7 +76,7 @@ class Restored:
     duration_s: float
 
 
-def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str, started: float,
+def restore_newest(durable: SnapshotTier, fast: FastTier | None, run_id: str, started: float,
                    keep: tuple[str, ...] = ()) -> Restored | None:
     """Every rank: load the newest valid snapshot of either tier into ``durable``'s objects; None to start fresh.
 
@@ -155,7 +159,7 @@ def restore_newest(durable: SnapshotTier, fast: SnapshotTier | None, run_id: str
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
 
-def node_copy_objects(fast: SnapshotTier, ctx: DistContext, manifest: Manifest,
+def node_copy_objects(fast: FastTier, ctx: DistContext, manifest: Manifest,
                       found: tuple[Manifest, dict[str, bytes]] | None, holder: int,
                       nodes: list[int]) -> tuple[dict[str, Any], str]:
     """Every rank: the bytes of the fast copy rank ``holder`` read, and how this rank got them. ``found``: what

@@ -50,7 +50,7 @@ import torch
 
 from elastictrain.core.progress import History, Progress
 from elastictrain.core.rng import capture_rng_compact, rng_from_compact
-from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.snapshot.local_tier import LocalTier
 
 log = logging.getLogger("elastictrain")
 
@@ -138,7 +138,7 @@ class StepSlots:
 class SurvivorCopies:
     """Marks each step's per-rank state on every rank; after a peer is lost, writes that step's fast copy."""
 
-    def __init__(self, fast: Snapshotter, world_size: int, round_id: str, progress: Progress, history: History,
+    def __init__(self, fast: LocalTier, world_size: int, round_id: str, progress: Progress, history: History,
                  rank_state: Callable[[], dict[str, Any] | None]) -> None:
         self.fast = fast
         self.progress = progress  # replicated: the step every slot must name
@@ -150,7 +150,7 @@ class SurvivorCopies:
         self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
 
     @staticmethod
-    def applies(fast: Snapshotter | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
+    def applies(fast: LocalTier | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
         """None when survivor copies can work here, else why not (logged once by the caller)."""
         if fast is None:
             return "there is no fast tier (snapshot.local.url)"
@@ -167,7 +167,7 @@ class SurvivorCopies:
         return None
 
     def open(self) -> None:
-        # After RESTORE: the fast tier's directory is then this run's own (Snapshotter.join_run).
+        # After RESTORE: the fast tier's directory is then this run's own (LocalTier.join_run).
         self.slots.directory = os.path.join(self.fast.store.root, _SLOT_DIR)
         self.slots.open()
 

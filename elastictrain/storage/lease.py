@@ -18,7 +18,7 @@ from elastictrain.storage.commit import write_small_object
 from elastictrain.storage.store_client import StoreClient
 
 LEASE_NAME = ".lease.json"
-RUN_ID_NAME = ".run-id"  # the run this store belongs to: node-local copies are kept under it (snapshotter.py)
+RUN_ID_NAME = ".run-id"  # the run this store belongs to: node-local copies are kept under it (snapshot/local_tier.py)
 
 log = logging.getLogger("elastictrain.storage.snapshot_store")
 

@@ -21,8 +21,9 @@ from elastictrain.core.events import Observers, SnapshotReport
 from elastictrain.dist.group import DistContext
 from elastictrain.health.replicas import ReplicaCheck
 from elastictrain.snapshot.cadence import COST_KEY, FastTierTimer
+from elastictrain.snapshot.local_tier import LocalTier
 from elastictrain.snapshot.restore import Restored
-from elastictrain.snapshot.snapshotter import Snapshotter
+from elastictrain.snapshot.snapshotter import DurableTier, Snapshotter
 from elastictrain.snapshot.survivor import SurvivorCopies
 from elastictrain.train.registry import Registry
 from elastictrain.train.runstate import RunState
@@ -37,9 +38,8 @@ class SnapshotTiers:
         self.cfg, self.ctx, self.state, self.events = cfg, ctx, state, events
         # Every snapshot, and the run's end, first checks that the ranks' replicas agree (replicas.py).
         self.replicas = ReplicaCheck(ctx, replicated or {}, cfg.dist.check_replicas)
-        self.durable = Snapshotter(cfg, ctx, model, statefuls, train_samples=train_samples, rank_statefuls=rank_statefuls)
-        self.local = Snapshotter(cfg, ctx, model, statefuls, train_samples, rank_statefuls,
-                                 tier="local") if cfg.local_snapshot_url else None
+        self.durable = DurableTier(cfg, ctx, model, statefuls, train_samples, rank_statefuls)
+        self.local = LocalTier(cfg, ctx, model, statefuls, train_samples, rank_statefuls) if cfg.local_snapshot_url else None
         # Rank 0's clock for timed fast copies (snapshot.local.every_s); the vote carries it to every rank.
         timer = FastTierTimer(cfg.snapshot.local.every_s, prior_mtbf_s=cfg.snapshot.local.mtbf_prior_s)
         self.fast_timer: FastTierTimer | None = None
