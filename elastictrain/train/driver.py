@@ -92,16 +92,18 @@ class StepDriver:
             norm = float(total) if total is not None else grad_norm(parameters)
         ok = anomalies.gradients_ok(norm, step, loss)
         if ok and clip is not None:
+            assert total is not None  # clip is set only where no norm was given: total was computed above
             torch.nn.utils.clip_grads_with_norm_(parameters, clip, total)
         return ok
 
     def boundary(self, stepped: bool) -> None:
         """After a step (or a stream's end): end the epoch, reduce, vote, and carry out the agreed next state."""
         step = self.global_step
-        epoch_ended = self.data is not None and (self.data.epoch_ended or not stepped)
-        if epoch_ended:
+        data = self.data
+        epoch_ended = data is not None and (data.epoch_ended or not stepped)
+        if data is not None and epoch_ended:
             self.state.progress.end_epoch()
-            self.data.end_epoch()
+            data.end_epoch()
             for callback in self.epoch_end:
                 callback()
         if epoch_ended or step % self.train.log_every_steps == 0:

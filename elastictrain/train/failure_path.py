@@ -34,7 +34,7 @@ class FailurePath:
             if exc is not None and not isinstance(exc, Preempted) or isinstance(exc, SignalledInSetup):
                 replacement = self._fail(exc, rank_label, step, ctx, survivor_copy)
             elif exc is None and not self.machine.finished:
-                report_left_early(rank_label, step, tiers and tiers.last_committed, ctx)
+                report_left_early(rank_label, step, tiers.last_committed if tiers is not None else None, ctx)
         finally:
             self.health.signals.uninstall()
             if tiers is not None:

@@ -81,7 +81,8 @@ class RestorePhase:
             seed_rng(cfg.run.seed + ctx.rank)
             log.info("no snapshot at %s: starting fresh (world size %d)", tiers.url, ctx.world_size)
         # The batch policy on a world-size change (train.on_world_size_change) decides the accumulation.
-        fit = fit_to_world(cfg.train, ctx.world_size, state.batch_geometry, restored and restored.saved_world_size)
+        saved_world_size = restored.saved_world_size if restored is not None else None
+        fit = fit_to_world(cfg.train, ctx.world_size, state.batch_geometry, saved_world_size)
         registry.build_schedulers(scheduler_steps(cfg.train, run_steps(fit.global_batch)), tiers.durable.statefuls)
         shard = apply_fit(fit, state.batch_geometry, ctx.rank, ctx.world_size, cfg.train, registry.with_schedulers())
         if data is not None:

@@ -70,8 +70,14 @@ class Session:
         self._restoring: RestorePhase | None = None
         self._driver: StepDriver | None = None  # TRAIN and after: built at RESTORE's end
         self._started, self._started_unix = time.monotonic(), time.time()
-        self._machine.on(dst=State.DONE)(lambda *edge: self._driver.summarize(*edge))
-        self._machine.on(dst=State.PREEMPTED)(lambda *edge: self._driver.preempted(*edge))
+        self._machine.on(dst=State.DONE)(lambda *edge: self._steps.summarize(*edge))
+        self._machine.on(dst=State.PREEMPTED)(lambda *edge: self._steps.preempted(*edge))
+
+    @property
+    def _steps(self) -> StepDriver:
+        """The driver of TRAIN and after; CallOrder lets no call that needs it through before RESTORE built it."""
+        assert self._driver is not None, "a TRAIN call reached the session before RESTORE built its driver"
+        return self._driver
 
     # -- where the run is (read-only) ----------------------------------------------------------
 
@@ -131,7 +137,7 @@ class Session:
     def loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> Loader:
         """This rank's share of ``dataset``, ``train.batch_size`` samples a micro-batch, resumable mid-epoch."""
         self._calls.in_setup("loader")
-        data = self._setting_up.loader(dataset, collate_fn, lambda: self._driver.boundary(stepped=False))
+        data = self._setting_up.loader(dataset, collate_fn, lambda: self._steps.boundary(stepped=False))
         return Loader(data, self._calls.loader_finished)
 
     def val_loader(self, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
@@ -201,13 +207,13 @@ class Session:
         of ``parameters`` (default: every registered model's), a listed step); clips to ``train.clip_grad_norm`` when
         it is taken, unless ``norm`` (already computed) is given. The custom-loop guide says it in full."""
         self._calls.training("gradients_ok")
-        return self._driver.gradients_ok(parameters, loss, norm)
+        return self._steps.gradients_ok(parameters, loss, norm)
 
     def rank_state_final(self) -> None:
         """For step runners, before a step's last backward: this rank's per-rank state (RNG, stream position, sums)
         is final for the step, so a survivor copy names the step the peers complete with this rank's gradients."""
-        self._driver.marks_ahead = True
-        self._driver.mark(self.global_step + 1)
+        self._steps.marks_ahead = True
+        self._steps.mark(self.global_step + 1)
 
     def step(self, **values: Any) -> None:
         """After each optimizer step: advance, vote, and do what the ranks agreed (snapshot, evaluate, stop).
@@ -217,7 +223,7 @@ class Session:
         check_logged("session.step", values)
         for warning in self._keys.at_step() if self._ctx.is_main else ():
             log.warning("%s", warning)
-        self._driver.step(values)
+        self._steps.step(values)
 
     def runner_link(self) -> RunnerLink:
         """For step runners (``StepRunner``): the gradient sync ``wrap(model, loss_fn)`` built and the anomaly checks."""
@@ -246,11 +252,12 @@ class Session:
     # -- the end -----------------------------------------------------------------------------
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        driver, tiers = self._driver, self._restoring and self._restoring.tiers
+        driver, tiers = self._driver, self._restoring.tiers if self._restoring is not None else None
         try:
             label = self._setting_up.rank_label
+            survivor_copy = (lambda: driver.write_survivor_copy(label)) if driver is not None else None
             replacement = self._ending.leave(exc, rank_label=label, step=self.global_step, ctx=self._ctx, tiers=tiers,
-                                             survivor_copy=driver and (lambda: driver.write_survivor_copy(label)))
+                                             survivor_copy=survivor_copy)
         finally:
             self._calls.left = True  # what the loop calls from now on is a UsageError (call_order.py)
         if replacement is not None:

@@ -79,10 +79,16 @@ class SetupPhase:
         # RESTORE then gives each rank its own streams (seed + rank) or the snapshot's.
         seed_rng(cfg.run.seed)
 
+    @property
+    def started(self) -> dist.DistContext:
+        """The process group's context; CallOrder lets no call that needs it through before SETUP made it."""
+        assert self.ctx is not None, "a call needing the process group reached SETUP before the group was made"
+        return self.ctx
+
     def wrap(self, model: nn.Module, loss_fn: Callable | None) -> nn.Module:
         """``session.wrap``: the model on the device, under DDP with several workers (with ``loss_fn``: the loss)."""
         before = dict(model.named_parameters())
-        wrapped, sync = wrap_model_for(model, loss_fn, self.ctx, self.cfg, self.health.sync_timer)
+        wrapped, sync = wrap_model_for(model, loss_fn, self.started, self.cfg, self.health.sync_timer)
         self.grad_sync = sync or self.grad_sync
         self.registry.wrapped.append(ddp.state_module(wrapped))
         self.registry.replaced.update(fsdp.replaced_parameters(before, model))  # FSDP's sharded parameters
@@ -93,7 +99,8 @@ class SetupPhase:
         if self.data is not None:
             raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
                              "snapshots keep; build one loader")
-        self.data = TrainData(dataset, collate_fn, self.cfg, self.ctx, self.state.progress, self.shard,
+        assert self.shard is not None  # made with the process group
+        self.data = TrainData(dataset, collate_fn, self.cfg, self.started, self.state.progress, self.shard,
                               on_end_without_step=on_end_without_step, skipped=self.state.anomalies.skipped_samples)
         return self.data
 
@@ -103,5 +110,5 @@ class SetupPhase:
             raise UsageError("session.total_steps is known once session.loader() has the training set (or "
                              "train.max_steps is set): call session.loader() first")
         data = self.data
-        return run_steps(self.cfg.train, None if data is None or data.stream else data.samples, self.ctx.world_size,
+        return run_steps(self.cfg.train, None if data is None or data.stream else data.samples, self.started.world_size,
                          global_batch, self.state.progress)
