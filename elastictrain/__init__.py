@@ -23,14 +23,25 @@ __version__ = "0.1.0"
 prepare_environment()  # before anything calls MKL (elastictrain/core/threads.py)
 
 _EXPORTS = {
-    "Config": "core.config", "load_config": "core.config_load",
-    "ConfigError": "core.errors", "DistributedSetupError": "core.errors", "ElastictrainError": "core.errors",
-    "UsageError": "core.errors", "PeerLost": "core.errors", "SnapshotError": "core.errors",
-    "StorageError": "core.errors", "StorageUnavailable": "core.errors",
-    "RunSummary": "train.summary", "Session": "train.session", "StepRunner": "train.step_runner",
-    "Trainer": "train.trainer", "Task": "train.task",
-    "Observer": "core.events", "State": "core.states",
-    "Preempted": "core.signals", "PREEMPTED_EXIT_CODE": "core.signals",
+    "Config": "core.config",
+    "load_config": "core.config_load",
+    "ConfigError": "core.errors",
+    "DistributedSetupError": "core.errors",
+    "ElastictrainError": "core.errors",
+    "UsageError": "core.errors",
+    "PeerLost": "core.errors",
+    "SnapshotError": "core.errors",
+    "StorageError": "core.errors",
+    "StorageUnavailable": "core.errors",
+    "RunSummary": "train.summary",
+    "Session": "train.session",
+    "StepRunner": "train.step_runner",
+    "Trainer": "train.trainer",
+    "Task": "train.task",
+    "Observer": "core.events",
+    "State": "core.states",
+    "Preempted": "core.signals",
+    "PREEMPTED_EXIT_CODE": "core.signals",
 }
 
 __all__ = sorted([*_EXPORTS, "seed_everything"])

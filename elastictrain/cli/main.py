@@ -90,51 +90,101 @@ def _parser() -> argparse.ArgumentParser:
         description="Train with the defaults (conf/default.yaml), a YAML file and key.sub=value overrides.",
     )
     train.add_argument("--config", help="YAML config file (default: the built-in defaults)")
-    train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="e.g. train.max_epochs=4 snapshot.durable.url=s3://bkt/run")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="e.g. train.max_epochs=4 snapshot.durable.url=s3://bkt/run",
+    )
     train.set_defaults(run=lambda args: _train(args.config, args.overrides))
 
     store = argparse.ArgumentParser(add_help=False)
     store.add_argument("url", metavar="URL", help=SNAPSHOT_URL_HELP)
     store.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="fsspec storage option, value parsed as YAML (repeatable; dotted keys nest: "
-             "client_kwargs.endpoint_url=http://...); s3:// also reads the AWS_* environment",
+        "client_kwargs.endpoint_url=http://...); s3:// also reads the AWS_* environment",
     )
     store.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     pick = argparse.ArgumentParser(add_help=False)
     pick.add_argument("--step", type=int, help="the snapshot at this step (default: the newest that verifies)")
 
     snapshots = commands.add_parser(
-        "snapshots", help="list, verify, show, export or prune the snapshots under a URL",
+        "snapshots",
+        help="list, verify, show, export or prune the snapshots under a URL",
         description="Look into a snapshot store without training. Only show and export load tensors.",
     ).add_subparsers(dest="snapshot_command", required=True)
-    _command(snapshots, "list", [store], "one row per step-* prefix: step, epoch, created, size, world, sizes (no checksums)",
-             lambda tools, text, args, found: (tools.list_document(*found), text.render_list))
-    _command(snapshots, "verify", [store], "read every object and check every checksum; exit 1 if the newest is invalid",
-             lambda tools, text, args, found: (tools.verify_document(*found), text.render_verify))
-    _command(snapshots, "show", [store, pick], "config, progress, attempts and history of one snapshot",
-             lambda tools, text, args, found: (tools.show_document(*found, args.step), text.render_show))
-    export = _command(
-        snapshots, "export", [store, pick], "write one snapshot's model weights as a plain state_dict file",
-        lambda tools, text, args, found: (
-            tools.export_document(*found, args.step, args.out, args.format, args.newest_or_fail), text.render_export),
+    _command(
+        snapshots,
+        "list",
+        [store],
+        "one row per step-* prefix: step, epoch, created, size, world, sizes (no checksums)",
+        lambda tools, text, args, found: (tools.list_document(*found), text.render_list),
     )
-    export.add_argument("--newest-or-fail", action="store_true",
-                        help="export the newest snapshot or, if it does not verify, nothing (exit 1) instead of an older one")
-    export.add_argument("--out", required=True, metavar="FILE", help="file to write (torch.load(FILE, weights_only=True) reads it)")
-    export.add_argument("--format", choices=("torch", "safetensors"), default="torch",
-                        help="torch (default) or safetensors (needs the safetensors package)")
-    prune = _command(snapshots, "prune", [store], "delete all but the newest N snapshots (never the newest valid one)",
-                     lambda tools, text, args, found: (tools.prune_document(*found, args.keep), text.render_prune))
+    _command(
+        snapshots,
+        "verify",
+        [store],
+        "read every object and check every checksum; exit 1 if the newest is invalid",
+        lambda tools, text, args, found: (tools.verify_document(*found), text.render_verify),
+    )
+    _command(
+        snapshots,
+        "show",
+        [store, pick],
+        "config, progress, attempts and history of one snapshot",
+        lambda tools, text, args, found: (tools.show_document(*found, args.step), text.render_show),
+    )
+    export = _command(
+        snapshots,
+        "export",
+        [store, pick],
+        "write one snapshot's model weights as a plain state_dict file",
+        lambda tools, text, args, found: (
+            tools.export_document(*found, args.step, args.out, args.format, args.newest_or_fail),
+            text.render_export,
+        ),
+    )
+    export.add_argument(
+        "--newest-or-fail",
+        action="store_true",
+        help="export the newest snapshot or, if it does not verify, nothing (exit 1) instead of an older one",
+    )
+    export.add_argument(
+        "--out", required=True, metavar="FILE", help="file to write (torch.load(FILE, weights_only=True) reads it)"
+    )
+    export.add_argument(
+        "--format",
+        choices=("torch", "safetensors"),
+        default="torch",
+        help="torch (default) or safetensors (needs the safetensors package)",
+    )
+    prune = _command(
+        snapshots,
+        "prune",
+        [store],
+        "delete all but the newest N snapshots (never the newest valid one)",
+        lambda tools, text, args, found: (tools.prune_document(*found, args.keep), text.render_prune),
+    )
     prune.add_argument("--keep", type=int, required=True, metavar="N", help="how many of the newest snapshots to keep")
-    plot = _command(commands, "plot", [store, pick], "draw loss and metric curves of a run, restarts marked, as PNG files",
-                    lambda tools, text, args, found: (tools.plot_document(*found, args.step, args.out), text.render_plot))
+    plot = _command(
+        commands,
+        "plot",
+        [store, pick],
+        "draw loss and metric curves of a run, restarts marked, as PNG files",
+        lambda tools, text, args, found: (tools.plot_document(*found, args.step, args.out), text.render_plot),
+    )
     plot.add_argument("--out", default="plots", metavar="DIR", help="directory for the PNG files (default: ./plots)")
     return parser
 
 
 def _command(commands, name: str, parents: list, summary: str, build: Callable) -> argparse.ArgumentParser:
-    parser = commands.add_parser(name, parents=parents, help=summary, description=summary[0].upper() + summary[1:] + ".")
+    parser = commands.add_parser(
+        name, parents=parents, help=summary, description=summary[0].upper() + summary[1:] + "."
+    )
     parser.set_defaults(run=lambda args: _snapshot_command(args, build))
     return parser
 
@@ -151,13 +201,17 @@ def _snapshot_command(args: argparse.Namespace, build: Callable) -> int:
             print(json.dumps({"error": str(exc), "exit_code": exc.exit_code}), flush=True)
         raise
     try:
-        print(json.dumps(strict_json(document), indent=2, allow_nan=False) if args.json else render(document), flush=True)
+        print(
+            json.dumps(strict_json(document), indent=2, allow_nan=False) if args.json else render(document), flush=True
+        )
     except BrokenPipeError:  # `elastictrain snapshots show URL | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet
         return 0
     if document.get("newest_valid") is False:  # verify: the newest snapshot does not verify
-        print(f"elastictrain: error: the newest snapshot under {args.url} (step {document['newest_step']}) is invalid",
-              file=sys.stderr)
+        print(
+            f"elastictrain: error: the newest snapshot under {args.url} (step {document['newest_step']}) is invalid",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

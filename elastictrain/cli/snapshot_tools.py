@@ -29,7 +29,9 @@ def open_store(url: str, storage_options: dict[str, Any]) -> tuple[SnapshotStore
         raise
     except Exception as exc:  # e.g. botocore's NoCredentialsError is no OSError; the fix is the user's either way
         reason = one_line(exc, kind=True)
-        raise StorageError(f"cannot list {url} ({reason}); check the URL, --storage-option and AWS_* credentials") from None
+        raise StorageError(
+            f"cannot list {url} ({reason}); check the URL, --storage-option and AWS_* credentials"
+        ) from None
     if not exists:
         raise StorageError(f"no such location: {url}")
     if not listings:
@@ -49,6 +51,7 @@ def _run_dir_hint(store: SnapshotStore, url: str) -> str:
 
 # -- list -------------------------------------------------------------------------------------
 
+
 def list_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
     """One row per step-* prefix, checked cheaply: manifest present and every object's size (no checksum)."""
     rows = []
@@ -56,17 +59,19 @@ def list_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict
         sizes = _object_sizes(store, listing.snapshot_id)
         manifest = listing.manifest
         problem = listing.problem or _size_problem(manifest, sizes)
-        rows.append({
-            "snapshot_id": listing.snapshot_id,
-            "step": listing.step,
-            "epoch": manifest.meta.get("epoch") if manifest else None,
-            "world_size": manifest.meta.get("world_size") if manifest else None,
-            "created_unix": manifest.created_unix if manifest else None,
-            "created": _iso(manifest.created_unix) if manifest else None,
-            "size_bytes": sum(sizes.values()),
-            "sizes_ok": problem is None,
-            "problem": problem,
-        })
+        rows.append(
+            {
+                "snapshot_id": listing.snapshot_id,
+                "step": listing.step,
+                "epoch": manifest.meta.get("epoch") if manifest else None,
+                "world_size": manifest.meta.get("world_size") if manifest else None,
+                "created_unix": manifest.created_unix if manifest else None,
+                "created": _iso(manifest.created_unix) if manifest else None,
+                "size_bytes": sum(sizes.values()),
+                "sizes_ok": problem is None,
+                "problem": problem,
+            }
+        )
     return {"url": store.url, "checked": "manifest and object sizes", "snapshots": rows}
 
 
@@ -80,7 +85,8 @@ def _object_sizes(store: SnapshotStore, snapshot_id: str) -> dict[str, int]:
         raise StorageError(f"cannot list {store.url}/{snapshot_id} ({exc})") from exc
     sizes = {
         entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
-        for entry in entries if entry.get("type") == "file"
+        for entry in entries
+        if entry.get("type") == "file"
     }
     sizes.pop(MANIFEST_NAME, None)  # sizes everywhere are the payload's, as the training log reports them
     return sizes
@@ -99,6 +105,7 @@ def _size_problem(manifest: Manifest | None, sizes: dict[str, int]) -> str | Non
 
 # -- verify -----------------------------------------------------------------------------------
 
+
 def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> dict[str, Any]:
     """Read every object of every snapshot and check its size and checksum against the manifest."""
     rows = []
@@ -106,8 +113,12 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
         row: dict[str, Any]
         try:
             manifest, payload = store.read_verified(listing.snapshot_id)
-            row = {"valid": True, "problem": None, "objects": len(payload),
-                   "size_bytes": sum(len(data) for data in payload.values())}
+            row = {
+                "valid": True,
+                "problem": None,
+                "objects": len(payload),
+                "size_bytes": sum(len(data) for data in payload.values()),
+            }
         except SnapshotError as exc:
             row = {"valid": False, "problem": str(exc), "objects": None, "size_bytes": None}
         rows.append({"snapshot_id": listing.snapshot_id, "step": listing.step, **row})
@@ -125,7 +136,10 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
 
 # -- show, export, plot: these load tensors ---------------------------------------------------
 
-def select(store: SnapshotStore, listings: list[SnapshotListing], step: int | None) -> tuple[Manifest, dict[str, bytes]]:
+
+def select(
+    store: SnapshotStore, listings: list[SnapshotListing], step: int | None
+) -> tuple[Manifest, dict[str, bytes]]:
     """The verified snapshot at `step`, or the newest that verifies; SnapshotError if there is none."""
     if step is None:
         try:
@@ -235,12 +249,18 @@ def newest_or_fail(store: SnapshotStore, listings: list[SnapshotListing]) -> tup
     try:
         return store.read_verified(committed[-1].snapshot_id)
     except SnapshotError as exc:
-        raise SnapshotError(f"{exc}; --newest-or-fail exports nothing older (without it the newest valid snapshot "
-                            "is exported, --step N picks one)") from None
+        raise SnapshotError(
+            f"{exc}; --newest-or-fail exports nothing older (without it the newest valid snapshot "
+            "is exported, --step N picks one)"
+        ) from None
 
 
 def export_document(
-    store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out: str, fmt: str,
+    store: SnapshotStore,
+    listings: list[SnapshotListing],
+    step: int | None,
+    out: str,
+    fmt: str,
     newest_only: bool = False,
 ) -> dict[str, Any]:
     """Write the model weights of one snapshot to `out` as a plain state_dict (torch or safetensors).
@@ -312,7 +332,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise StorageError(f"cannot write {path} ({exc.strerror or exc}); check the --out path") from None
 
 
-def plot_document(store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out_dir: str) -> dict[str, Any]:
+def plot_document(
+    store: SnapshotStore, listings: list[SnapshotListing], step: int | None, out_dir: str
+) -> dict[str, Any]:
     """Draw the history of one snapshot (the newest valid by default) as PNG files in `out_dir`."""
     manifest, payload = select(store, listings, step)
     where = f"snapshot {store.url}/{manifest.snapshot_id}"
@@ -325,11 +347,16 @@ def plot_document(store: SnapshotStore, listings: list[SnapshotListing], step: i
         paths = write_plots(records, attempts_of(state), out_dir, run_name=run_name)
     except OSError as exc:
         raise StorageError(f"cannot write plots into {out_dir} ({exc.strerror or exc}); check --out") from None
-    return {"url": store.url, "snapshot_id": manifest.snapshot_id, "step": manifest.step,
-            "files": [str(path) for path in paths]}
+    return {
+        "url": store.url,
+        "snapshot_id": manifest.snapshot_id,
+        "step": manifest.step,
+        "files": [str(path) for path in paths],
+    }
 
 
 # -- prune ------------------------------------------------------------------------------------
+
 
 def prune_document(store: SnapshotStore, listings: list[SnapshotListing], keep: int) -> dict[str, Any]:
     """Keep the newest `keep` committed snapshots, and never delete the newest one that verifies."""

@@ -99,7 +99,9 @@ class TrainConfig(_Section):
     @field_validator("intra_op_threads", mode="before")
     @classmethod
     def _off_is_not_false(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML reads a bare `off` as false (true is refused as for any number)
+        return (
+            "off" if value is False else value
+        )  # YAML reads a bare `off` as false (true is refused as for any number)
 
 
 class DataConfig(_Section):
@@ -125,8 +127,12 @@ class DurableTierConfig(_Section):
     # thread, one at a time. Costs one more copy of the model and optimizer state in rank 0's memory.
     async_write: bool = False
     storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to fsspec; secrets are never saved or logged
-    on_error: Literal["stop", "continue"] = "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
-    retry_for_s: PositiveFloat = 20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
+    on_error: Literal["stop", "continue"] = (
+        "stop"  # a write that fails for good (disk full, denied): stop, or train on and retry next time
+    )
+    retry_for_s: PositiveFloat = (
+        20.0  # an unreachable store is retried with backoff this long per commit, then training goes on
+    )
     lease_stale_after_s: NonNegativeFloat = 60.0  # another run's store lease older than this is stale; 0: no lease
 
 
@@ -169,16 +175,13 @@ class SnapshotConfig(_Section):
     local: LocalTierConfig = Field(default_factory=LocalTierConfig)
 
 
-
 PreemptSignal = Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
 class PreemptConfig(_Section):
     # On one of these signals every rank finishes its step, rank 0 commits a snapshot and the
     # workers exit with code 143 (128 + SIGTERM), which every launcher treats as "terminated".
-    signals: list[PreemptSignal] = Field(
-        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGINT", "SIGUSR1"])
-    )
+    signals: list[PreemptSignal] = Field(default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGINT", "SIGUSR1"]))
     requeue: bool = False  # under SLURM, `scontrol requeue $SLURM_JOB_ID` after a preemption snapshot
     # The ranks agree on signals (and rank 0's snapshot timer) at most once per step and at most this
     # often; a signal is acted on within max(one step, this) plus one step. 0: every step.
@@ -212,12 +215,16 @@ class StragglersConfig(_Section):
 class AnomalyConfig(_Section):
     """Self-healing (anomalies.py): what a non-finite or spiking step does."""
 
-    policy: Literal["off", "skip", "rollback"] = "rollback"  # skip: drop the step's update; rollback: replay it to tell data from fault
+    policy: Literal["off", "skip", "rollback"] = (
+        "rollback"  # skip: drop the step's update; rollback: replay it to tell data from fault
+    )
     # The global gradient norm before every update: "auto" where it is had anyway (train.clip_grad_norm) or needed
     # (policy skip, spike_factor > 0); true: every step (one read of the gradients); the loss and, before each
     # snapshot, the weights are checked always.
     check_gradients: bool | Literal["auto"] = "auto"
-    spike_factor: NonNegativeFloat = 0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
+    spike_factor: NonNegativeFloat = (
+        0.0  # a gradient norm over this many times its running mean is an anomaly too; 0: off
+    )
     warmup_steps: NonNegativeInt = 100  # steps of running mean before spikes are judged
     spike_window_steps: PositiveInt = 100  # the running mean's window (an exponential mean after warm-up)
     max_rollbacks: NonNegativeInt = 4  # rollbacks in the whole run; past it the run stops with every snapshot intact
@@ -322,11 +329,19 @@ class Config(_Section):
     def _fsdp_alone(self) -> Config:
         if self.dist.strategy != "fsdp":
             return self
-        conflicts = [(self.train.virtual_shards, "train.virtual_shards (its per-shard gradients need whole parameters)",
-                      "train.virtual_shards=0"),
-                     (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
-                     (self.snapshot.local.async_write, "snapshot.local.async_write (sharded fast copies are written "
-                      "in the step)", "snapshot.local.async_write=false")]
+        conflicts = [
+            (
+                self.train.virtual_shards,
+                "train.virtual_shards (its per-shard gradients need whole parameters)",
+                "train.virtual_shards=0",
+            ),
+            (self.dist.sync_batchnorm, "dist.sync_batchnorm (a DDP conversion)", "dist.sync_batchnorm=false"),
+            (
+                self.snapshot.local.async_write,
+                "snapshot.local.async_write (sharded fast copies are written in the step)",
+                "snapshot.local.async_write=false",
+            ),
+        ]
         for value, what, fix in conflicts:
             if value:
                 raise ValueError(f"dist.strategy=fsdp cannot be combined with {what}; set {fix}, or dist.strategy=ddp")
@@ -354,7 +369,9 @@ class Config(_Section):
         if redact:
             durable = data["snapshot"]["durable"]
             durable["storage_options"] = redact_secrets(durable["storage_options"])
-            data["track"]["mlflow_uri"] = re.sub(r"//[^/@]*@", f"//{REDACTED}@", data["track"]["mlflow_uri"])  # user:password@
+            data["track"]["mlflow_uri"] = re.sub(
+                r"//[^/@]*@", f"//{REDACTED}@", data["track"]["mlflow_uri"]
+            )  # user:password@
         return data
 
 
@@ -376,7 +393,8 @@ def redact_secrets(options: Any) -> Any:
     """
     if isinstance(options, dict):
         return {
-            name: REDACTED if isinstance(name, str) and _is_secret_name(name) and not isinstance(value, dict)
+            name: REDACTED
+            if isinstance(name, str) and _is_secret_name(name) and not isinstance(value, dict)
             else redact_secrets(value)
             for name, value in options.items()
         }

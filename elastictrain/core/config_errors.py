@@ -42,8 +42,10 @@ def describe(error: Mapping[str, Any], root: type[BaseModel]) -> str:
         return f"unknown key '{key}' ({hint})"
     section = _model_at(path, root)
     if kind == "model_type" and section is not None:  # e.g. snapshot.local=/dev/shm
-        return (f"'{key}' = {error.get('input')!r} is invalid: it is a section, not a value; set its keys "
-                f"({', '.join(section.model_fields)}), e.g. {key}.{next(iter(section.model_fields))}=...")
+        return (
+            f"'{key}' = {error.get('input')!r} is invalid: it is a section, not a value; set its keys "
+            f"({', '.join(section.model_fields)}), e.g. {key}.{next(iter(section.model_fields))}=..."
+        )
     expected = _expected_type(path, root)
     if kind == "missing":
         return f"'{key}' is required ({expected}) but missing"

@@ -22,8 +22,9 @@ from elastictrain.core.errors import ConfigError, one_line
 def load_config(source: Config | dict | str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Build the config: defaults, then ``source`` (a YAML path, a dict or a Config), then ``key.sub=value`` overrides."""
     if isinstance(overrides, str):  # list("a=b") would be the overrides 'a', '=', 'b'
-        raise ConfigError(f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: "
-                          f"overrides=[{overrides!r}]")
+        raise ConfigError(
+            f"overrides={overrides!r} is a string; pass a list of key.sub=value strings: overrides=[{overrides!r}]"
+        )
     if isinstance(source, Config):
         raw, name = source.to_dict(), "config"
     elif isinstance(source, dict):
@@ -64,10 +65,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {one_line(exc)}") from None
     if data is None:  # trained on the defaults silently, the file's purpose unmet: say so
-        raise ConfigError(f"config file {path} is empty (no keys); write the keys to change in it (run:, train:, ...), "
-                          "or pass no config file to train on the defaults")
+        raise ConfigError(
+            f"config file {path} is empty (no keys); write the keys to change in it (run:, train:, ...), "
+            "or pass no config file to train on the defaults"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections (run:, train:, ...), not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections (run:, train:, ...), not {type(data).__name__}"
+        )
     return data
 
 

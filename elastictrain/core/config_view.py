@@ -34,8 +34,10 @@ class ConfigView:
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise UsageError(f"session.config.{self._path}{name} is read-only: the session read its config at SETUP; set "
-                         f"{self._path}{name} in the config or as an override ({self._path}{name}=...) instead")
+        raise UsageError(
+            f"session.config.{self._path}{name} is read-only: the session read its config at SETUP; set "
+            f"{self._path}{name} in the config or as an override ({self._path}{name}=...) instead"
+        )
 
     def __delattr__(self, name: str) -> None:
         self.__setattr__(name, None)

@@ -38,11 +38,15 @@ class DeterminismSettings:
     def line(self) -> str:
         """The start-up line: what was set, and the key that turns it off."""
         if not self.deterministic_algorithms:
-            return ("CUDA determinism off (dist.deterministic=false): torch's default kernels, cuBLAS's default "
-                    "workspace; a resume is not bitwise equal to an unbroken run")
+            return (
+                "CUDA determinism off (dist.deterministic=false): torch's default kernels, cuBLAS's default "
+                "workspace; a resume is not bitwise equal to an unbroken run"
+            )
         whose = " (the environment's)" if self.cublas_from_environment else ""
-        return (f"CUDA determinism for bitwise resume: torch.use_deterministic_algorithms(True), "
-                f"{CUBLAS_VARIABLE}={self.cublas_workspace_config}{whose}; dist.deterministic=false turns both off")
+        return (
+            f"CUDA determinism for bitwise resume: torch.use_deterministic_algorithms(True), "
+            f"{CUBLAS_VARIABLE}={self.cublas_workspace_config}{whose}; dist.deterministic=false turns both off"
+        )
 
 
 def decide(device: torch.device, enabled: bool, environ: Mapping[str, str]) -> DeterminismSettings | None:

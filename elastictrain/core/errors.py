@@ -120,7 +120,7 @@ def one_line(exc: BaseException, limit: int | None = None, kind: bool = False) -
     """
     text = " ".join(str(exc).split())
     if limit is not None and len(text) > limit:
-        text = text[:limit - 3] + "..."
+        text = text[: limit - 3] + "..."
     if kind or not text:
         return f"{type(exc).__name__}: {text or 'no message'}"
     return text

@@ -40,9 +40,18 @@ class RunInfo:
     def of(cls, ctx: Any, run_dir: str, total_steps: int) -> RunInfo:
         """From a ``dist.DistContext`` (typed loosely: events imports nothing of the package's)."""
         env = ctx.env
-        return cls(rank=ctx.rank, local_rank=env.local_rank, world_size=ctx.world_size, node_rank=env.node_rank,
-                   restart_count=env.restart_count, launcher=env.launcher, run_dir=run_dir, total_steps=total_steps,
-                   store=ctx.run_store, round_id=ctx.round_id)
+        return cls(
+            rank=ctx.rank,
+            local_rank=env.local_rank,
+            world_size=ctx.world_size,
+            node_rank=env.node_rank,
+            restart_count=env.restart_count,
+            launcher=env.launcher,
+            run_dir=run_dir,
+            total_steps=total_steps,
+            store=ctx.run_store,
+            round_id=ctx.round_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,9 @@ class TrainInterval:
     elapsed_s: float  # wall time of the interval on this rank
     metrics: dict[str, float]  # train_loss, train_<metric>, lr
     step_time_s_by_rank: list[float] = field(default_factory=list)  # mean step time of each rank
-    sync_wait_s_by_rank: list[float] = field(default_factory=list)  # each rank's mean wait per step in the gradient all-reduce
+    sync_wait_s_by_rank: list[float] = field(
+        default_factory=list
+    )  # each rank's mean wait per step in the gradient all-reduce
 
 
 @dataclass(frozen=True)

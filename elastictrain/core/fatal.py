@@ -46,8 +46,10 @@ class FatalRecord:
 
     def line(self, restart: int) -> str:
         """What a later attempt (``restart``) says before it stops."""
-        return (f"elastictrain: error: {self.message or self.kind} (rank {self.rank} met it in attempt {self.restart}; "
-                f"restart {restart} stopped at once: no restart can fix it)")
+        return (
+            f"elastictrain: error: {self.message or self.kind} (rank {self.rank} met it in attempt {self.restart}; "
+            f"restart {restart} stopped at once: no restart can fix it)"
+        )
 
 
 def marker_path(environ: Mapping[str, str] | None = None) -> Path | None:
@@ -85,8 +87,13 @@ def claim_line(error: ElastictrainError, environ: Mapping[str, str] | None = Non
 
 def _create_marker(error: ElastictrainError, marker: Path, environ: Mapping[str, str] | None) -> bool:
     env = os.environ if environ is None else environ
-    record = {"restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": int(env.get("RANK", "0")),
-              "kind": type(error).__name__, "exit_code": error.exit_code, "message": str(error)}
+    record = {
+        "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "rank": int(env.get("RANK", "0")),
+        "kind": type(error).__name__,
+        "exit_code": error.exit_code,
+        "message": str(error),
+    }
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:

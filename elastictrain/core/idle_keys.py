@@ -15,8 +15,14 @@ _LOCAL_TIER = ("every_steps", "every_s", "mtbf_prior_s", "keep_last", "async_wri
 
 # key -> (the key it needs, is that key's value on, what setting it means)
 REQUIRES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
-    **{f"snapshot.local.{key}": ("snapshot.local.url", bool, "the fast tier is off; set it to a node-local path "
-                                 "such as /dev/shm") for key in _LOCAL_TIER},
+    **{
+        f"snapshot.local.{key}": (
+            "snapshot.local.url",
+            bool,
+            "the fast tier is off; set it to a node-local path such as /dev/shm",
+        )
+        for key in _LOCAL_TIER
+    },
     "snapshot.local.mtbf_prior_s": ("snapshot.local.every_s", lambda v: v == "auto", "set it to auto"),
     "metrics.host": ("metrics.port", lambda v: v > 0, "the exporter is off; set a port"),
     "metrics.per_node": ("metrics.port", lambda v: v > 0, "the exporter is off; set a port"),

@@ -27,7 +27,9 @@ def setup_logging(rank: int, restart_count: int, cfg: LogConfig, run_dir: str | 
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s.%(msecs)03d [elastictrain r{rank} a{restart_count}] %(levelname)s %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            f"%(asctime)s.%(msecs)03d [elastictrain r{rank} a{restart_count}] %(levelname)s %(message)s", "%H:%M:%S"
+        )
     )
     for old in log.handlers:  # a second run in one process must not leak the first one's open file
         old.close()
@@ -111,8 +113,11 @@ class ProgressReport(Observer):
             return
         record = {**interval.metrics, "samples_per_s": samples_per_s}
         log.info(
-            "step %d epoch %d %s samples/s=%.1f", interval.step, interval.epoch,
-            " ".join(f"{k}={v:.4g}" for k, v in interval.metrics.items()), samples_per_s,
+            "step %d epoch %d %s samples/s=%.1f",
+            interval.step,
+            interval.epoch,
+            " ".join(f"{k}={v:.4g}" for k, v in interval.metrics.items()),
+            samples_per_s,
             extra={"fields": {"event": "train", "step": interval.step, "epoch": interval.epoch, **record}},
         )
 

@@ -66,8 +66,16 @@ class RunLog:
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
-    def begin(self, *, restart_count: int, world_size: int, start_step: int, launcher: str, started_unix: float,
-              restored: bool) -> dict[str, Any]:
+    def begin(
+        self,
+        *,
+        restart_count: int,
+        world_size: int,
+        start_step: int,
+        launcher: str,
+        started_unix: float,
+        restored: bool,
+    ) -> dict[str, Any]:
         if not restored:
             reason = "fresh"
         elif restart_count > 0:
@@ -75,9 +83,14 @@ class RunLog:
         else:
             reason = "relaunch"  # a new launch (after preemption, a lost node, or by hand) resumed
         attempt = {
-            "restart_count": restart_count, "world_size": world_size, "start_step": start_step,
-            "started_unix": started_unix, "launcher": launcher, "reason": reason,
-            "preempted": 0, "wall_s": 0.0,
+            "restart_count": restart_count,
+            "world_size": world_size,
+            "start_step": start_step,
+            "started_unix": started_unix,
+            "launcher": launcher,
+            "reason": reason,
+            "preempted": 0,
+            "wall_s": 0.0,
         }
         self.attempts.append(attempt)
         return attempt

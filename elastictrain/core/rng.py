@@ -38,8 +38,12 @@ def capture_rng_compact(device: torch.device) -> dict[str, Any]:
     numpy_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
-        "numpy": (numpy_state["state"]["key"].tobytes(), int(numpy_state["state"]["pos"]),
-                  int(numpy_state["has_gauss"]), float(numpy_state["gauss"])),
+        "numpy": (
+            numpy_state["state"]["key"].tobytes(),
+            int(numpy_state["state"]["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["gauss"]),
+        ),
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if device.type == "cuda":
@@ -52,8 +56,12 @@ def rng_from_compact(state: dict[str, Any]) -> dict[str, Any]:
     key, pos, has_gauss, gauss = state["numpy"]
     restored = {
         "python": state["python"],
-        "numpy": {"key": torch.from_numpy(np.frombuffer(key, dtype=np.uint32).astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
+        "numpy": {
+            "key": torch.from_numpy(np.frombuffer(key, dtype=np.uint32).astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
         "torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
     }
     if "cuda" in state:

@@ -136,4 +136,6 @@ def requeue_slurm_job(environ: dict[str, str] | None = None) -> None:
     if result.returncode == 0:
         log.info("SLURM job %s requeued; it resumes from the preemption snapshot", job_id)
     else:
-        log.error("scontrol requeue %s failed (exit %d): %s", job_id, result.returncode, " ".join(result.stderr.split()))
+        log.error(
+            "scontrol requeue %s failed (exit %d): %s", job_id, result.returncode, " ".join(result.stderr.split())
+        )

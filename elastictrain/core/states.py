@@ -35,12 +35,16 @@ TERMINAL = frozenset({State.PREEMPTED, State.DONE, State.FAILED})
 _EDGES: dict[State, frozenset[State]] = {
     State.SETUP: frozenset({State.RESTORE}),
     # RESTORE -> PREEMPTED: a signal before the first step, with the restored snapshot current.
-    State.RESTORE: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
-    State.TRAIN: frozenset({State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED,
-                            State.ROLLBACK}),
+    State.RESTORE: frozenset(
+        {State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}
+    ),
+    State.TRAIN: frozenset(
+        {State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED, State.ROLLBACK}
+    ),
     # ROLLBACK restores a snapshot as RESTORE does, then goes on as after it (or rolls back again).
-    State.ROLLBACK: frozenset({State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE,
-                               State.PREEMPTED, State.ROLLBACK}),
+    State.ROLLBACK: frozenset(
+        {State.TRAIN, State.EVALUATE, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED, State.ROLLBACK}
+    ),
     State.EVALUATE: frozenset({State.TRAIN, State.SNAPSHOT, State.LOCAL_SNAPSHOT, State.DONE, State.PREEMPTED}),
     # PREEMPTED and DONE are entered after their snapshot is committed.
     State.SNAPSHOT: frozenset({State.TRAIN, State.EVALUATE, State.DONE, State.PREEMPTED}),

@@ -106,9 +106,13 @@ class ThreadPin:
             self.count, self.origin = saved, "the run's, recorded at its first start"
             torch.set_num_threads(saved)
         elif saved != torch.get_num_threads():  # pinned to another count by the user, or not pinned
-            log.warning("the snapshot was computed with %d intra-op threads, this worker has %d (train.intra_op_threads=%s): "
-                        "results go on but differ in the last bits from an unbroken run", saved, torch.get_num_threads(),
-                        self.setting)
+            log.warning(
+                "the snapshot was computed with %d intra-op threads, this worker has %d (train.intra_op_threads=%s): "
+                "results go on but differ in the last bits from an unbroken run",
+                saved,
+                torch.get_num_threads(),
+                self.setting,
+            )
 
     # -- the start-up line ----------------------------------------------------------------
 
@@ -116,15 +120,21 @@ class ThreadPin:
         """One line: what is pinned, and what a bitwise resume still needs from the user."""
         now = probe()
         if not self.enabled:
-            return (f"threads not pinned (train.intra_op_threads=off): {now.line()}; bitwise resumes need the same "
-                    "OMP_NUM_THREADS in every attempt")
+            return (
+                f"threads not pinned (train.intra_op_threads=off): {now.line()}; bitwise resumes need the same "
+                "OMP_NUM_THREADS in every attempt"
+            )
         line = f"threads pinned for bitwise results: {now.line()} (count: {self.origin})"
         if now.mkl_cnr == "OFF":
-            line += ("; MKL ran before elastictrain was imported, so its scheduling stays dynamic: import elastictrain "
-                     "first, or set MKL_CBWR=AUTO")
+            line += (
+                "; MKL ran before elastictrain was imported, so its scheduling stays dynamic: import elastictrain "
+                "first, or set MKL_CBWR=AUTO"
+            )
         if self._saved_capability and self._saved_capability != now.cpu_capability:
-            line += (f"; the snapshot was computed with {self._saved_capability} kernels, this CPU runs "
-                     f"{now.cpu_capability}: results go on but differ in the last bits (bits need the same CPU type)")
+            line += (
+                f"; the snapshot was computed with {self._saved_capability} kernels, this CPU runs "
+                f"{now.cpu_capability}: results go on but differ in the last bits (bits need the same CPU type)"
+            )
         return line
 
 

@@ -38,8 +38,11 @@ class BatchGeometry:
     configured: tuple[int, int] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_batch": self.global_batch, "grad_accum_steps": self.grad_accum_steps,
-                "configured": list(self.configured) if self.configured else None}
+        return {
+            "global_batch": self.global_batch,
+            "grad_accum_steps": self.grad_accum_steps,
+            "configured": list(self.configured) if self.configured else None,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.global_batch = int(state_dict["global_batch"])
@@ -76,9 +79,13 @@ def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, save
             return configured
         factor = configured.global_batch / saved.global_batch if train.scale_lr else 1.0
         lr = f"learning rate x {factor:.6g} (train.scale_lr)" if train.scale_lr else "learning rate unchanged"
-        return Fit(configured.grad_accum_steps, configured.global_batch, factor,
-                   f"{change}: global batch {saved.global_batch} -> {configured.global_batch} samples per step, "
-                   f"train.batch_size {train.batch_size} per rank kept (train.on_world_size_change=keep_rank_batch); {lr}")
+        return Fit(
+            configured.grad_accum_steps,
+            configured.global_batch,
+            factor,
+            f"{change}: global batch {saved.global_batch} -> {configured.global_batch} samples per step, "
+            f"train.batch_size {train.batch_size} per rank kept (train.on_world_size_change=keep_rank_batch); {lr}",
+        )
     if saved.global_batch % per_rank_step:
         ranks = saved.global_batch // train.batch_size
         raise ConfigError(
@@ -90,10 +97,14 @@ def fit_to_world(train: TrainConfig, world_size: int, saved: BatchGeometry, save
     accum = saved.global_batch // per_rank_step
     if not world_changed:
         return Fit(accum, saved.global_batch)
-    return Fit(accum, saved.global_batch, 1.0,
-               f"{change}: global batch of {saved.global_batch} samples per step kept "
-               f"(train.on_world_size_change=keep_global_batch): gradient accumulation {saved.grad_accum_steps} -> {accum} "
-               f"micro-batches of train.batch_size {train.batch_size} per rank")
+    return Fit(
+        accum,
+        saved.global_batch,
+        1.0,
+        f"{change}: global batch of {saved.global_batch} samples per step kept "
+        f"(train.on_world_size_change=keep_global_batch): gradient accumulation {saved.grad_accum_steps} -> {accum} "
+        f"micro-batches of train.batch_size {train.batch_size} per rank",
+    )
 
 
 def _fit_virtual_shards(train: TrainConfig, world_size: int, saved: BatchGeometry, saved_world_size: int | None) -> Fit:
@@ -109,13 +120,24 @@ def _fit_virtual_shards(train: TrainConfig, world_size: int, saved: BatchGeometr
     fit = Fit(shards // world_size, shards * train.batch_size)
     if saved.global_batch is None or saved_world_size in (None, world_size):
         return fit
-    return Fit(fit.grad_accum_steps, fit.global_batch, 1.0,
-               f"world size {saved_world_size} -> {world_size}: {shards} virtual shards of train.batch_size "
-               f"{train.batch_size} kept (train.virtual_shards), {fit.grad_accum_steps} per rank; the numbers stay bitwise")
+    return Fit(
+        fit.grad_accum_steps,
+        fit.global_batch,
+        1.0,
+        f"world size {saved_world_size} -> {world_size}: {shards} virtual shards of train.batch_size "
+        f"{train.batch_size} kept (train.virtual_shards), {fit.grad_accum_steps} per rank; the numbers stay bitwise",
+    )
 
 
-def planned_steps(num_samples: int, global_batch: int, max_epochs: int, max_steps: int | None,
-                  global_step: int = 0, epoch: int = 0, epoch_offset: int = 0) -> int:
+def planned_steps(
+    num_samples: int,
+    global_batch: int,
+    max_epochs: int,
+    max_steps: int | None,
+    global_step: int = 0,
+    epoch: int = 0,
+    epoch_offset: int = 0,
+) -> int:
     """Optimizer steps of the whole run: those done, plus those left at ``global_batch`` samples a step.
 
     The position (``global_step``, ``epoch``, ``epoch_offset`` in global samples) is where the run
@@ -136,7 +158,9 @@ def run_steps(train: TrainConfig, samples: int | None, world_size: int, global_b
     if global_batch is None:
         global_batch = fit_to_world(train, world_size, BatchGeometry(), None).global_batch
     p = progress
-    return planned_steps(samples, global_batch, train.max_epochs, train.max_steps, p.global_step, p.epoch, p.epoch_offset)
+    return planned_steps(
+        samples, global_batch, train.max_epochs, train.max_steps, p.global_step, p.epoch, p.epoch_offset
+    )
 
 
 def scheduler_steps(train: TrainConfig, total_steps: int) -> int:
@@ -144,8 +168,9 @@ def scheduler_steps(train: TrainConfig, total_steps: int) -> int:
     return total_steps if train.lr_scheduler_interval == "step" else train.max_epochs
 
 
-def apply_fit(fit: Fit, geometry: BatchGeometry, rank: int, world_size: int, train: TrainConfig,
-              optimizers: list[tuple[Any, Any]]) -> Shard:
+def apply_fit(
+    fit: Fit, geometry: BatchGeometry, rank: int, world_size: int, train: TrainConfig, optimizers: list[tuple[Any, Any]]
+) -> Shard:
     """Record ``fit`` in the geometry, scale the learning rate of each (optimizer, scheduler) if it says so,
     and return this rank's shard."""
     geometry.global_batch, geometry.grad_accum_steps = fit.global_batch, fit.grad_accum_steps

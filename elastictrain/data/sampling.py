@@ -54,8 +54,16 @@ def steps_in_epoch(num_samples: int, shard: Shard, offset: int = 0) -> int:
 class ShardedBatchSampler:
     """This rank's micro-batches for one epoch from ``offset`` global samples on (a DataLoader batch_sampler)."""
 
-    def __init__(self, num_samples: int, shard: Shard, seed: int, epoch: int, offset: int, shuffle: bool,
-                 skip: AbstractSet[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        shard: Shard,
+        seed: int,
+        epoch: int,
+        offset: int,
+        shuffle: bool,
+        skip: AbstractSet[int] = frozenset(),
+    ) -> None:
         self.order = epoch_order(num_samples, seed, epoch, shuffle)
         if skip:  # the anomaly skip list (anomalies.py): left out of every epoch, the rest keeps its order
             self.order = [index for index in self.order if index not in skip]
@@ -88,8 +96,14 @@ class EvalBatchSampler:
             yield self.indices[start : start + self.batch_size]
 
 
-def make_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, seed: int, collate_fn: Any = None,
-                seed_in_process: bool = True) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    batch_sampler: Any,
+    num_workers: int,
+    seed: int,
+    collate_fn: Any = None,
+    seed_in_process: bool = True,
+) -> DataLoader:
     # A DataLoader iterator draws its worker base seed from the *global* torch RNG unless it has
     # a generator of its own; a resumed run creates its iterator at another point of that stream,
     # so without this the dropout masks after a restore would differ from an unbroken run.
@@ -156,8 +170,13 @@ def make_stream_loader(dataset: Dataset, batch_size: int, epoch: int, seed: int,
     # num_workers=0: the dataset's position is exactly the samples handed to training, so a
     # snapshot between steps holds the true position. A generator of its own, as in make_loader,
     # keeps the iterator from drawing from the global RNG (which a resumed run is elsewhere in).
-    return DataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=0,
+        collate_fn=collate_fn,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def batch_size_of(batch: Any) -> int:

@@ -42,9 +42,17 @@ _UNTIL_EXHAUSTED = 2**62  # a stream's epoch has no step count: it ends when the
 
 
 class TrainData:
-    def __init__(self, dataset: Dataset, collate_fn: Callable | None, cfg: Config, ctx: dist.DistContext,
-                 progress: Progress, shard: Shard, on_end_without_step: Callable[[], None],
-                 skipped: AbstractSet[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable | None,
+        cfg: Config,
+        ctx: dist.DistContext,
+        progress: Progress,
+        shard: Shard,
+        on_end_without_step: Callable[[], None],
+        skipped: AbstractSet[int] = frozenset(),
+    ) -> None:
         check_dataset(dataset, "the dataset given to session.loader()")
         self.dataset, self.collate_fn, self.cfg, self.ctx, self.progress = dataset, collate_fn, cfg, ctx, progress
         self.shard = shard
@@ -107,7 +115,8 @@ class TrainData:
                 raise UsageError(
                     f"rank {self.ctx.rank} asked the loader for the next step's micro-batches without session.step() "
                     f"after the {len(self.taken)} it took: call session.step() on every rank, once per optimizer step "
-                    "(a rank that skips it leaves the others waiting in a collective)")
+                    "(a rank that skips it leaves the others waiting in a collective)"
+                )
             batches = self._next_batches()
             if batches is None:  # a stream's epoch ended on some rank: every rank ends it here
                 self.steps_left = 0
@@ -126,7 +135,7 @@ class TrainData:
         if self.stream:
             return None
         start = self.progress.epoch_offset
-        return self._order[start:start + self.shard.samples_per_step]
+        return self._order[start : start + self.shard.samples_per_step]
 
     def take(self) -> list[int]:
         taken, self.taken = self.taken, []
@@ -138,11 +147,24 @@ class TrainData:
             loader = make_stream_loader(self.dataset, self.cfg.train.batch_size, epoch, seed, self.collate_fn)
             self._batches, self.steps_left = iter(loader), _UNTIL_EXHAUSTED
             return
-        sampler = ShardedBatchSampler(samples_in(self.dataset), self.shard, self.cfg.run.seed, epoch,
-                                      self.progress.epoch_offset, self.cfg.data.shuffle, self.skipped)
+        sampler = ShardedBatchSampler(
+            samples_in(self.dataset),
+            self.shard,
+            self.cfg.run.seed,
+            epoch,
+            self.progress.epoch_offset,
+            self.cfg.data.shuffle,
+            self.skipped,
+        )
         self._order = sampler.order
-        loader = make_loader(self.dataset, sampler, self.cfg.data.num_workers, seed, self.collate_fn,
-                             seed_in_process=self.cfg.train.virtual_shards > 0)  # the same numbers whichever rank fetches a sample
+        loader = make_loader(
+            self.dataset,
+            sampler,
+            self.cfg.data.num_workers,
+            seed,
+            self.collate_fn,
+            seed_in_process=self.cfg.train.virtual_shards > 0,
+        )  # the same numbers whichever rank fetches a sample
         self._batches = iter(loader)
         self.steps_left = sampler.steps
 
@@ -163,12 +185,19 @@ class TrainData:
 def wrong_micro_batches(taken: int, per_step: int, configured: int) -> UsageError:
     """``session.step()`` after another number of micro-batches than a step takes; names the elastic policy when it,
     not train.grad_accum_steps, chose the number (a snapshot of a larger world resumed here)."""
-    why = "" if per_step == configured else (
-        f"; {per_step}, not train.grad_accum_steps={configured}, because the snapshot's global batch is kept at this "
-        "world size (train.on_world_size_change=keep_global_batch): iterate loader.steps() (each step's micro-batches "
-        "as one list), or set train.on_world_size_change=keep_rank_batch")
-    return UsageError(f"session.step() after {taken} micro-batch(es) of the loader; a step takes {per_step} "
-                      f"(session.grad_accum_steps): call step() once per optimizer step{why}")
+    why = (
+        ""
+        if per_step == configured
+        else (
+            f"; {per_step}, not train.grad_accum_steps={configured}, because the snapshot's global batch is kept at this "
+            "world size (train.on_world_size_change=keep_global_batch): iterate loader.steps() (each step's micro-batches "
+            "as one list), or set train.on_world_size_change=keep_rank_batch"
+        )
+    )
+    return UsageError(
+        f"session.step() after {taken} micro-batch(es) of the loader; a step takes {per_step} "
+        f"(session.grad_accum_steps): call step() once per optimizer step{why}"
+    )
 
 
 class Loader:

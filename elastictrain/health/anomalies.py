@@ -62,8 +62,10 @@ class Anomalies:
         self.cfg, self.record, self.stats = cfg, record, stats
         self.active = cfg.policy != "off"
         # Whether every step's gradient norm is read (one pass over the gradients): see AnomalyConfig.
-        self.check_gradients = self.active and (cfg.check_gradients is True or (
-            cfg.check_gradients == "auto" and (cfg.policy == "skip" or cfg.spike_factor > 0)))
+        self.check_gradients = self.active and (
+            cfg.check_gradients is True
+            or (cfg.check_gradients == "auto" and (cfg.policy == "skip" or cfg.spike_factor > 0))
+        )
         self.host = socket.gethostname()
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
         self.replaying: int | None = None  # the anomalous step a replay is heading for
@@ -95,8 +97,11 @@ class Anomalies:
         if not self.active:
             return True
         self.loss(loss, step)
-        spike = norm is not None and math.isfinite(norm) and self.stats.is_spike(
-            index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
+        spike = (
+            norm is not None
+            and math.isfinite(norm)
+            and self.stats.is_spike(index, norm, self.cfg.spike_factor, self.cfg.warmup_steps)
+        )
         finding = finding_of(norm, spike, self._own_loss_of(step), self.host)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
@@ -109,8 +114,12 @@ class Anomalies:
             return True
         if self.cfg.policy == "skip":
             self._skip(step, decision)
-        elif finding is not None and finding.kind == "gradient norm" and norm is not None and (
-                self.pending is None or (self.pending.step == step and self.pending.kind == "loss")):
+        elif (
+            finding is not None
+            and finding.kind == "gradient norm"
+            and norm is not None
+            and (self.pending is None or (self.pending.step == step and self.pending.kind == "loss"))
+        ):
             # Only the ranks that saw it raise it: the others hold their update, and the vote brings the rollback.
             self.pending = Sighting(step, norm, "gradient norm", self.host, spike, finding.own_loss)
         return False
@@ -148,8 +157,10 @@ class Anomalies:
             return
         # FSDP: this rank's shards alone, no collective (ranks with a sighting skip this check): every element is
         # checked by the rank holding it, and the sightings of all ranks are gathered at the vote.
-        local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # type: ignore[attr-defined]
-                 for p in parameters]  # (a DTensor's detach() is a DTensor: torch's stub says Tensor)
+        local = [
+            p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # type: ignore[attr-defined]
+            for p in parameters
+        ]  # (a DTensor's detach() is a DTensor: torch's stub says Tensor)
         if not math.isfinite(norm_of(local)):
             self.pending = Sighting(step, math.nan, "weights", self.host)
 
@@ -168,19 +179,36 @@ class Anomalies:
         if self._skipped_now is None:  # the first check of the step that failed names it
             found = decision.found
             assert found is not None  # an update not taken names what was found
-            self._skipped_now = {"step": step, "value": found.value, "kind": found.kind, "spike": found.spike,
-                                 "decision": "skip", "ranks": list(decision.ranks), "hosts": list(decision.hosts),
-                                 "origin": list(decision.origin)}
+            self._skipped_now = {
+                "step": step,
+                "value": found.value,
+                "kind": found.kind,
+                "spike": found.spike,
+                "decision": "skip",
+                "ranks": list(decision.ranks),
+                "hosts": list(decision.hosts),
+                "origin": list(decision.origin),
+            }
 
     def _say_skip(self, entry: dict[str, Any]) -> None:
         if self.ctx is not None and self.ctx.is_main:
             hosts = dict(zip(entry["ranks"], entry["hosts"]))
-            seen = where(entry["kind"], entry["ranks"], entry["origin"],
-                         [hosts.get(r) for r in range(self.ctx.world_size)], self.ctx.world_size)
-            log.warning("anomaly at step %d: %s%s; the optimizer step was skipped on every rank (anomaly.policy=skip), "
-                        "its %d samples recorded (%s)", entry["step"],
-                        _what(entry["kind"], entry["value"], entry["spike"], self.cfg), seen,
-                        len(entry["samples"]), _shown(entry["samples"]))
+            seen = where(
+                entry["kind"],
+                entry["ranks"],
+                entry["origin"],
+                [hosts.get(r) for r in range(self.ctx.world_size)],
+                self.ctx.world_size,
+            )
+            log.warning(
+                "anomaly at step %d: %s%s; the optimizer step was skipped on every rank (anomaly.policy=skip), "
+                "its %d samples recorded (%s)",
+                entry["step"],
+                _what(entry["kind"], entry["value"], entry["spike"], self.cfg),
+                seen,
+                len(entry["samples"]),
+                _shown(entry["samples"]),
+            )
         self._emit(entry)
 
     # -- the vote and the replay ----------------------------------------------------------------
@@ -201,13 +229,25 @@ class Anomalies:
         seen = self.replay_origin
         self.replaying, self.replay_origin = None, None
         assert seen is not None  # replaying: the verdict being replayed
-        entry = {"step": step, "value": seen.value, "kind": seen.kind, "decision": "transient",
-                 "ranks": list(seen.ranks), "hosts": self._hosts(seen.ranks)}
+        entry = {
+            "step": step,
+            "value": seen.value,
+            "kind": seen.kind,
+            "decision": "transient",
+            "ranks": list(seen.ranks),
+            "hosts": self._hosts(seen.ranks),
+        }
         self.record.add(**entry)
         if self._attached.is_main:
-            log.warning("step %d replayed clean: the anomaly (%s %s) was a transient fault%s; training goes on "
-                        "(transient faults so far: %d)", step, seen.kind, _number(seen.value), self._where(seen),
-                        self.record.counts["transient"])
+            log.warning(
+                "step %d replayed clean: the anomaly (%s %s) was a transient fault%s; training goes on "
+                "(transient faults so far: %d)",
+                step,
+                seen.kind,
+                _number(seen.value),
+                self._where(seen),
+                self.record.counts["transient"],
+            )
         self._emit(entry)
 
     def agree(self) -> Verdict:
@@ -215,8 +255,9 @@ class Anomalies:
         sightings = all_gather(self.pending, self._attached) if self._attached.distributed else [self.pending]
         self._hosts_by_rank = [s.host if s is not None else None for s in sightings]
         verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
-        what = f"{verdict.kind} {_number(verdict.value)}" + (" (a spike)" if any(
-            s is not None and s.spike for s in sightings) else "")
+        what = f"{verdict.kind} {_number(verdict.value)}" + (
+            " (a spike)" if any(s is not None and s.spike for s in sightings) else ""
+        )
         if verdict.action == "fault":
             raise AnomalyError(
                 f"anomaly at step {verdict.step} ({what}{self._where(verdict)}) recurred on replay in those ranks' "
@@ -235,10 +276,12 @@ class Anomalies:
 
     def nothing_to_roll_back_to(self, verdict: Verdict) -> AnomalyError:
         """ROLLBACK found no snapshot (an anomaly before the first one): the one line to stop with."""
-        return AnomalyError(f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
-                            "to roll back to yet: training stopped; take snapshots more often "
-                            "(snapshot.durable.every_steps, or a fast tier: snapshot.local.url with "
-                            "snapshot.local.every_steps), or set anomaly.policy=skip")
+        return AnomalyError(
+            f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
+            "to roll back to yet: training stopped; take snapshots more often "
+            "(snapshot.durable.every_steps, or a fast tier: snapshot.local.url with "
+            "snapshot.local.every_steps), or set anomaly.policy=skip"
+        )
 
     def rolled_back(self, verdict: Verdict, samples: list[int] | None, restored_step: int, rank_batch: int = 0) -> None:
         """After the restore: what this rollback learned, in the log, and the replay to watch. ``samples``: the
@@ -246,9 +289,16 @@ class Anomalies:
         self.pending, self._skipped_now, self._replayed_samples, self._own_loss = None, None, None, None
         self._ahead = None
         self._index = 0
-        entry = {"step": verdict.step, "value": verdict.value, "kind": verdict.kind, "decision": verdict.action,
-                 "ranks": list(verdict.ranks), "hosts": self._hosts(verdict.ranks), "rolled_back_to": restored_step,
-                 "origin": list(verdict.origin)}
+        entry = {
+            "step": verdict.step,
+            "value": verdict.value,
+            "kind": verdict.kind,
+            "decision": verdict.action,
+            "ranks": list(verdict.ranks),
+            "hosts": self._hosts(verdict.ranks),
+            "rolled_back_to": restored_step,
+            "origin": list(verdict.origin),
+        }
         if verdict.action == "data":
             self.replaying, self.replay_origin = None, None
             if samples is not None:
@@ -259,18 +309,33 @@ class Anomalies:
                 self.record.skipped_steps.add(verdict.step)
             self.record.add(**entry)
             if self._attached.is_main:
-                log.warning("anomaly at step %d recurred on replay (%s %s): it is the data; %s skipped from now on "
-                            "at every world size; rolled back to step %d (rollback %d of %d)", verdict.step,
-                            verdict.kind, _number(verdict.value),
-                            f"its {len(samples)} samples ({_shown(samples)}) are" if samples is not None
-                            else "the step's update is", restored_step, self.record.rollbacks, self.cfg.max_rollbacks)
+                log.warning(
+                    "anomaly at step %d recurred on replay (%s %s): it is the data; %s skipped from now on "
+                    "at every world size; rolled back to step %d (rollback %d of %d)",
+                    verdict.step,
+                    verdict.kind,
+                    _number(verdict.value),
+                    f"its {len(samples)} samples ({_shown(samples)}) are"
+                    if samples is not None
+                    else "the step's update is",
+                    restored_step,
+                    self.record.rollbacks,
+                    self.cfg.max_rollbacks,
+                )
         else:
             self.replaying, self.replay_origin = verdict.step, verdict
             self.record.add(**entry)
             if self._attached.is_main:
-                log.warning("anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
-                            verdict.step, verdict.kind, _number(verdict.value), self._where(verdict), restored_step,
-                            self.record.rollbacks, self.cfg.max_rollbacks)
+                log.warning(
+                    "anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
+                    verdict.step,
+                    verdict.kind,
+                    _number(verdict.value),
+                    self._where(verdict),
+                    restored_step,
+                    self.record.rollbacks,
+                    self.cfg.max_rollbacks,
+                )
         self._emit(entry)
 
     @property
@@ -308,8 +373,10 @@ def where(kind: str, ranks: Iterable[int], origin: Iterable[int], hosts: list[st
         return f" on rank(s) {named(ranks)}"
     if len(ranks) == world_size:
         if origin and len(origin) < world_size:
-            return (f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
-                    f"{named(origin)}")
+            return (
+                f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
+                f"{named(origin)}"
+            )
         return " on every rank (after the gradient all-reduce its origin cannot be told)"
     return f" on rank(s) {named(ranks)} only"
 
@@ -365,8 +432,19 @@ def _ranks(ranks: Iterable[int], hosts: list[str]) -> str:
 
 def _shown(samples: list[int]) -> str:
     shown = ", ".join(str(i) for i in samples[:SHOWN_SAMPLES])
-    return f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
+    return (
+        f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
+    )
 
 
-__all__ = ["AnomalyLog", "Anomalies", "GradNormStatistic", "Sighting", "Verdict", "clipping_norm", "grad_norm", "judge",
-           "where"]
+__all__ = [
+    "AnomalyLog",
+    "Anomalies",
+    "GradNormStatistic",
+    "Sighting",
+    "Verdict",
+    "clipping_norm",
+    "grad_norm",
+    "judge",
+    "where",
+]

@@ -109,8 +109,12 @@ class AnomalyLog:
         return self.counts["rollback"] + self.counts["data"]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_samples": sorted(self.skipped_samples - self.preset), "skipped_steps": sorted(self.skipped_steps),
-                "entries": [dict(e) for e in self.entries], "counts": dict(self.counts)}
+        return {
+            "skipped_samples": sorted(self.skipped_samples - self.preset),
+            "skipped_steps": sorted(self.skipped_steps),
+            "entries": [dict(e) for e in self.entries],
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_samples.clear()  # in place: the training data holds this very set

@@ -18,8 +18,15 @@ from elastictrain.core.states import TERMINAL, State
 
 # Where the innermost frame of a rank's loop thread lies when that rank is waiting for its peers
 # rather than computing: inside a collective, or in backward (DDP's gradient all-reduce).
-_WAITING_MODULES = ("torch.distributed", "torch.autograd", "elastictrain.dist.group", "elastictrain.dist.collectives",
-                    "elastictrain.dist.ddp", "elastictrain.dist.vote", "elastictrain.dist.reduce")
+_WAITING_MODULES = (
+    "torch.distributed",
+    "torch.autograd",
+    "elastictrain.dist.group",
+    "elastictrain.dist.collectives",
+    "elastictrain.dist.ddp",
+    "elastictrain.dist.vote",
+    "elastictrain.dist.reduce",
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,9 @@ class Heartbeat:
         return cls(**json.loads(text))
 
 
-def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool, longest_step_s: float,
-                longest_state_s: float) -> float | None:
+def allowance_s(
+    settings: WatchdogSettings, state: State, *, trained_once: bool, longest_step_s: float, longest_state_s: float
+) -> float | None:
     """Seconds ``state`` may go without progress; None where nothing is watched (terminal states).
 
     ``longest_step_s`` is the longest time between two progress marks seen in TRAIN;
@@ -75,13 +83,20 @@ def allowance_s(settings: WatchdogSettings, state: State, *, trained_once: bool,
         if not trained_once:
             return max(settings.first_step_s, settings.hang_timeout_s)
         return max(settings.hang_timeout_s, multiple * longest_step_s)
-    base = {State.EVALUATE: settings.evaluate_s, State.SNAPSHOT: settings.snapshot_s,
-            State.LOCAL_SNAPSHOT: settings.snapshot_s}.get(state, settings.restore_s)
+    base = {
+        State.EVALUATE: settings.evaluate_s,
+        State.SNAPSHOT: settings.snapshot_s,
+        State.LOCAL_SNAPSHOT: settings.snapshot_s,
+    }.get(state, settings.restore_s)
     return max(base, settings.hang_timeout_s, multiple * longest_state_s)
 
 
-def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_after_s: float,
-             stopped: frozenset[int] = frozenset()) -> str:
+def diagnose(
+    heartbeats: dict[int, Heartbeat | None],
+    now_unix: float,
+    stale_after_s: float,
+    stopped: frozenset[int] = frozenset(),
+) -> str:
     """Which rank(s) stopped, from every rank's heartbeat: silent ones first, then ranks behind, then busy ones.
 
     A silent rank (no heartbeat for ``stale_after_s``, or in ``stopped``: a stopped process on this
@@ -89,11 +104,18 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     Otherwise a rank behind the others' step holds them up; otherwise, at one step, the rank whose
     loop is in its own code while the others wait in a collective.
     """
-    live = {rank: beat for rank, beat in heartbeats.items() if beat is None or beat.state not in {s.name for s in TERMINAL}}
+    live = {
+        rank: beat for rank, beat in heartbeats.items() if beat is None or beat.state not in {s.name for s in TERMINAL}
+    }
     silent = [
-        f"rank {rank} " + ("never sent a heartbeat" if beat is None else
-                           f"sent no heartbeat for {now_unix - beat.unix:.1f} s (last in state {beat.state} at step {beat.step})")
-        for rank, beat in sorted(live.items()) if beat is None or now_unix - beat.unix > stale_after_s or rank in stopped
+        f"rank {rank} "
+        + (
+            "never sent a heartbeat"
+            if beat is None
+            else f"sent no heartbeat for {now_unix - beat.unix:.1f} s (last in state {beat.state} at step {beat.step})"
+        )
+        for rank, beat in sorted(live.items())
+        if beat is None or now_unix - beat.unix > stale_after_s or rank in stopped
     ]
     if silent:
         return "; ".join(silent) + ": frozen, killed or its host is gone"
@@ -107,7 +129,8 @@ def diagnose(heartbeats: dict[int, Heartbeat | None], now_unix: float, stale_aft
     busy = [b for b in beats if not b.waiting]
     if busy and len(busy) < len(beats):
         return "; ".join(f"rank {b.rank} is stuck in state {b.state} at step {b.step} at {b.where}" for b in busy) + (
-            " while the others wait for it in a collective")
+            " while the others wait for it in a collective"
+        )
     where = "; ".join(f"rank {b.rank} at {b.where}" for b in beats)
     return f"every rank stalled in state {beats[0].state} at step {top}, none silent or behind ({where})"
 
@@ -142,8 +165,13 @@ def overdue_after_s(settings: WatchdogSettings, longest_step_s: float) -> float:
     return max(stall_poll_s(settings), 2 * longest_step_s)
 
 
-def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float, stopped_here: Callable[[Heartbeat], bool],
-                 stalled_s: float = float("inf"), heartbeat_every_s: float = 0.0) -> list[tuple[Heartbeat, float]]:
+def frozen_peers(
+    silent: list[tuple[Heartbeat, float]],
+    stale_after_s: float,
+    stopped_here: Callable[[Heartbeat], bool],
+    stalled_s: float = float("inf"),
+    heartbeat_every_s: float = 0.0,
+) -> list[tuple[Heartbeat, float]]:
     """The silent peers (``SilentPeers.update``'s answer) that count as frozen, gone or killed.
 
     A heartbeat unchanged for ``stale_after_s`` is enough anywhere; that silence counts only from
@@ -153,8 +181,11 @@ def frozen_peers(silent: list[tuple[Heartbeat, float]], stale_after_s: float, st
     waiting out the staleness tells nothing more. A slow rank is never stopped: it runs, and its
     heartbeat thread publishes, so only staleness names it.
     """
-    return [(beat, seconds) for beat, seconds in silent
-            if min(seconds, stalled_s - heartbeat_every_s) >= stale_after_s or stopped_here(beat)]
+    return [
+        (beat, seconds)
+        for beat, seconds in silent
+        if min(seconds, stalled_s - heartbeat_every_s) >= stale_after_s or stopped_here(beat)
+    ]
 
 
 class SilentPeers:

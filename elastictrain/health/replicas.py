@@ -90,10 +90,12 @@ def describe(step: int, before: str, mismatch: Mismatch) -> str:
     for name, what in mismatch.parts:
         by_object.setdefault(name, []).append(what)
     objects = ", ".join(f"{name!r} ({', '.join(whats)})" for name, whats in by_object.items())
-    return (f"the ranks' replicas differ at step {step}, before {before}: ranks {' | '.join(map(_ranks, mismatch.groups))} "
-            f"hold different {objects}; nothing of this step was committed. Each rank trains its own copy when a model "
-            "is not wrapped by session.wrap() or the module itself is called instead of what wrap() returned "
-            "(docs/guides/custom-loops.md); dist.check_replicas=false turns this check off")
+    return (
+        f"the ranks' replicas differ at step {step}, before {before}: ranks {' | '.join(map(_ranks, mismatch.groups))} "
+        f"hold different {objects}; nothing of this step was committed. Each rank trains its own copy when a model "
+        "is not wrapped by session.wrap() or the module itself is called instead of what wrap() returned "
+        "(docs/guides/custom-loops.md); dist.check_replicas=false turns this check off"
+    )
 
 
 class ReplicaCheck:
@@ -104,7 +106,9 @@ class ReplicaCheck:
 
     def __init__(self, ctx: DistContext, objects: dict[str, Any], enabled: bool) -> None:
         self.ctx = ctx
-        self.objects = {name: obj for name, obj in objects.items() if isinstance(obj, (nn.Module, torch.optim.Optimizer))}
+        self.objects = {
+            name: obj for name, obj in objects.items() if isinstance(obj, (nn.Module, torch.optim.Optimizer))
+        }
         self.enabled = enabled and ctx.world_size > 1 and bool(self.objects)
         self.agreed_step: int | None = None  # the step whose replicas were found equal last
 

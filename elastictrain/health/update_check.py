@@ -64,8 +64,13 @@ def decide_update(findings: list[Finding | None]) -> UpdateDecision:
     if not seen:
         return UpdateDecision(True)
     found = min((f for _, f in seen), key=lambda f: KINDS.index(f.kind))
-    return UpdateDecision(False, tuple(rank for rank, _ in seen), found, tuple(f.host for _, f in seen),
-                          tuple(rank for rank, f in seen if f.own_loss))
+    return UpdateDecision(
+        False,
+        tuple(rank for rank, _ in seen),
+        found,
+        tuple(f.host for _, f in seen),
+        tuple(rank for rank, f in seen if f.own_loss),
+    )
 
 
 def agree(finding: Finding | None, ctx: DistContext | None) -> list[Finding | None]:

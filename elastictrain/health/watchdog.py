@@ -80,8 +80,13 @@ class Watchdog(Observer):
     intervals (``trained``) are the progress marks, and the allowance adapts to their length.
     """
 
-    def __init__(self, settings: WatchdogSettings = WatchdogSettings(), *, clock: Callable[[], float] = time.monotonic,
-                 on_hang: Callable[[int], None] = _leave) -> None:
+    def __init__(
+        self,
+        settings: WatchdogSettings = WatchdogSettings(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_hang: Callable[[int], None] = _leave,
+    ) -> None:
         self.settings = settings
         self._clock = clock
         self._on_hang = on_hang
@@ -183,8 +188,13 @@ class Watchdog(Observer):
                 self._longest_step_s = max(self._longest_step_s, (now - since) / advanced)
                 self._trained_once = True
             self._seen_marks, self._last_progress = marks, now
-        allowed = allowance_s(self.settings, state, trained_once=self._trained_once, longest_step_s=self._longest_step_s,
-                              longest_state_s=self._longest_state_s.get(state, 0.0))
+        allowed = allowance_s(
+            self.settings,
+            state,
+            trained_once=self._trained_once,
+            longest_step_s=self._longest_step_s,
+            longest_state_s=self._longest_state_s.get(state, 0.0),
+        )
         if allowed is None:
             return None
         stalled_s = now - max(self._last_progress, entered)
@@ -196,14 +206,25 @@ class Watchdog(Observer):
         overdue = overdue_after_s(self.settings, self._longest_step_s)
         self._overdue = stalled_s >= overdue
         if self._overdue:
-            silent = frozen_peers(self._silence.update(self._peer_heartbeats()), self._stale_after_s(), is_stopped_here,
-                                  stalled_s, self.settings.heartbeat_every_s)
+            silent = frozen_peers(
+                self._silence.update(self._peer_heartbeats()),
+                self._stale_after_s(),
+                is_stopped_here,
+                stalled_s,
+                self.settings.heartbeat_every_s,
+            )
             if silent:
                 self._silent_peers = silent
-                return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and " + (
-                    "; ".join(f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s"
-                              + (" and its process is stopped on this host" if is_stopped_here(beat) else "")
-                              for beat, s in silent))
+                return (
+                    f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} and "
+                    + (
+                        "; ".join(
+                            f"rank {beat.rank}'s heartbeat has not changed for {s:.1f} s"
+                            + (" and its process is stopped on this host" if is_stopped_here(beat) else "")
+                            for beat, s in silent
+                        )
+                    )
+                )
         else:
             self._silence.forget()
         # Stalled for a while, and a peer has already found the hang: leave with it now, before
@@ -221,8 +242,14 @@ class Watchdog(Observer):
         except Exception as exc:  # the store's host may be gone with the hang
             stopped = f"cannot read the other ranks' heartbeats ({type(exc).__name__}: {exc})"
         self._set(self._verdict_key(), f"rank {rank} found a hang: {stopped}")
-        log.error("rank %d: %s; %s; exiting with code %d so the launcher restarts the group from the newest snapshot "
-                  "(stack of every thread below)", rank, verdict, stopped, HUNG_EXIT_CODE)
+        log.error(
+            "rank %d: %s; %s; exiting with code %d so the launcher restarts the group from the newest snapshot "
+            "(stack of every thread below)",
+            rank,
+            verdict,
+            stopped,
+            HUNG_EXIT_CODE,
+        )
         # Peers stalled at the same moment; give their watchdogs a moment to say what they see
         # before this rank's exit turns their collectives into connection errors. Not for a
         # silent peer: every live rank sees its silence by itself, and the launcher waits for it.
@@ -244,9 +271,17 @@ class Watchdog(Observer):
             state = State.FAILED  # leaving without a terminal transition
         shown = self._current_step()
         where, waiting = loop_position(self._loop_thread)
-        return Heartbeat(rank=self._info.rank if self._info else 0, step=shown, state=state.name, unix=time.time(),
-                         waiting=waiting, where=where, pid=os.getpid(), host=socket.gethostname(),
-                         start_ticks=self._start_ticks)
+        return Heartbeat(
+            rank=self._info.rank if self._info else 0,
+            step=shown,
+            state=state.name,
+            unix=time.time(),
+            waiting=waiting,
+            where=where,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            start_ticks=self._start_ticks,
+        )
 
     def _current_step(self) -> int:
         beat = self._beat_step if self._state_visit[0] is State.TRAIN and self._beat_step is not None else 0
@@ -271,9 +306,13 @@ class Watchdog(Observer):
         if not keys:
             return {}
         if info.store.check(list(keys.values())):  # all there: one round trip
-            return {rank: Heartbeat.from_json(raw) for rank, raw in zip(keys, info.store.multi_get(list(keys.values())))}
-        return {rank: Heartbeat.from_json(info.store.get(key)) if info.store.check([key]) else None
-                for rank, key in keys.items()}
+            return {
+                rank: Heartbeat.from_json(raw) for rank, raw in zip(keys, info.store.multi_get(list(keys.values())))
+            }
+        return {
+            rank: Heartbeat.from_json(info.store.get(key)) if info.store.check([key]) else None
+            for rank, key in keys.items()
+        }
 
     def _diagnose(self) -> str:
         info = self._info
@@ -284,12 +323,21 @@ class Watchdog(Observer):
         heartbeats = {rank: own if rank == info.rank else peers[rank] for rank in range(info.world_size)}
         now_unix, stale_after_s = time.time(), self._stale_after_s()
         silent_ranks = {beat.rank for beat, _ in self._silent_peers}
-        self._to_kill = [beat for beat in heartbeats.values() if beat is not None and beat.rank != own.rank
-                         and (now_unix - beat.unix > stale_after_s or beat.rank in silent_ranks) and is_stopped_here(beat)]
+        self._to_kill = [
+            beat
+            for beat in heartbeats.values()
+            if beat is not None
+            and beat.rank != own.rank
+            and (now_unix - beat.unix > stale_after_s or beat.rank in silent_ranks)
+            and is_stopped_here(beat)
+        ]
         verdict = diagnose(heartbeats, now_unix, stale_after_s, stopped=frozenset(beat.rank for beat in self._to_kill))
         if self._to_kill:
-            verdict += " (" + ", ".join(f"rank {b.rank} is stopped process {b.pid} on this host" for b in self._to_kill) + (
-                ": SIGKILL, so the launcher need not wait for it to obey SIGTERM)")
+            verdict += (
+                " ("
+                + ", ".join(f"rank {b.rank} is stopped process {b.pid} on this host" for b in self._to_kill)
+                + (": SIGKILL, so the launcher need not wait for it to obey SIGTERM)")
+            )
         return verdict
 
     def _stale_after_s(self) -> float:

@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
-        _say(f"{name} forwarded to the workers; exiting {PREEMPTED_EXIT_CODE} (the next launch of the same command "
-             "resumes from the newest snapshot)")
+        _say(
+            f"{name} forwarded to the workers; exiting {PREEMPTED_EXIT_CODE} (the next launch of the same command "
+            "resumes from the newest snapshot)"
+        )
         return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
         if fail_fast.fatal is not None:
@@ -77,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rendezvous_lost(args) -> int:
-    _say(f"lost the rendezvous store at {args.rdzv_endpoint} ({args.rdzv_backend}): the agent that hosted it "
-         f"is gone or unreachable; exiting {RENDEZVOUS_LOST_EXIT_CODE} (retryable: relaunch every node, the job "
-         "resumes from the newest snapshot)")
+    _say(
+        f"lost the rendezvous store at {args.rdzv_endpoint} ({args.rdzv_backend}): the agent that hosted it "
+        f"is gone or unreachable; exiting {RENDEZVOUS_LOST_EXIT_CODE} (retryable: relaunch every node, the job "
+        "resumes from the newest snapshot)"
+    )
     return RENDEZVOUS_LOST_EXIT_CODE
 
 
@@ -111,8 +115,12 @@ def _fail_fast(agent_class: type) -> Any:  # a subclass of agent_class, with a c
         def _fatal_of_this_attempt(self) -> FatalRecord | None:
             restart = self._worker_group.spec.max_restarts - self._remaining_restarts
             error_files = getattr(self._pcontext, "error_files", None) or {}
-            marker = marker_path({"TORCHELASTIC_ERROR_FILE": next(iter(error_files.values()), ""),
-                                  "TORCHELASTIC_RESTART_COUNT": str(restart)})
+            marker = marker_path(
+                {
+                    "TORCHELASTIC_ERROR_FILE": next(iter(error_files.values()), ""),
+                    "TORCHELASTIC_RESTART_COUNT": str(restart),
+                }
+            )
             record = read_marker(marker) if marker is not None else None
             return record if record is not None and record.restart == restart else None
 
@@ -135,8 +143,10 @@ def _failed(worker_exit_codes: dict[int, int]) -> int:
 
 
 def _fatal(record: FatalRecord) -> int:
-    _say(f"error: {record.message or record.kind} (rank {record.rank}, attempt {record.restart}; no restart can fix "
-         f"it, so none was made); exiting {record.exit_code}")
+    _say(
+        f"error: {record.message or record.kind} (rank {record.rank}, attempt {record.restart}; no restart can fix "
+        f"it, so none was made); exiting {record.exit_code}"
+    )
     return record.exit_code
 
 

@@ -115,6 +115,8 @@ def store_lost_on_restart(url: str, env: LaunchEnv) -> str | None:
     in_process = next((p for p in protocols if p in IN_PROCESS_PROTOCOLS), None)
     if in_process is None or env.max_restarts == 0:
         return None
-    return (f"snapshot.durable.url={url} lives in this process's memory, and {env.launcher} restarts the workers as new "
-            f"processes (--max-restarts={env.max_restarts}): every restart would find no snapshot and start fresh; "
-            "use a path or a store every restart can read (a shared directory, s3://...), or --max-restarts=0")
+    return (
+        f"snapshot.durable.url={url} lives in this process's memory, and {env.launcher} restarts the workers as new "
+        f"processes (--max-restarts={env.max_restarts}): every restart would find no snapshot and start fresh; "
+        "use a path or a store every restart can read (a shared directory, s3://...), or --max-restarts=0"
+    )

@@ -79,10 +79,17 @@ class RoundPublishingHandler(RendezvousHandler):
 
 def _wrapping(torch_backend: str) -> Creator:
     def create(params: RendezvousParameters) -> RendezvousHandler:
-        inner = rendezvous_handler_registry.create_handler(RendezvousParameters(
-            torch_backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr,
-            **params.config,
-        ))
+        inner = rendezvous_handler_registry.create_handler(
+            RendezvousParameters(
+                torch_backend,
+                params.endpoint,
+                params.run_id,
+                params.min_nodes,
+                params.max_nodes,
+                params.local_addr,
+                **params.config,
+            )
+        )
         return RoundPublishingHandler(inner, f"elastictrain-{torch_backend}")
 
     return create

@@ -147,9 +147,13 @@ def run_child(job: ChildJob) -> None:
     os.environ.update(request["env"])
     if "random" in sys.modules:
         sys.modules["random"].seed()
-    threading.Thread(target=_die_with_client, args=(job.connection,), name="elastictrain-warmstart", daemon=True).start()
-    say(f"started warm, forked from the preloaded interpreter (pid {job.server_pid}) "
-         f"{time.time() - request['client_started']:.2f} s after torchrun started this worker")
+    threading.Thread(
+        target=_die_with_client, args=(job.connection,), name="elastictrain-warmstart", daemon=True
+    ).start()
+    say(
+        f"started warm, forked from the preloaded interpreter (pid {job.server_pid}) "
+        f"{time.time() - request['client_started']:.2f} s after torchrun started this worker"
+    )
     run_target(request["module"], request["script"], request["args"], request["cwd"])
 
 
@@ -176,9 +180,13 @@ def _rebuild_streams(streams: dict) -> None:
             pass
         unbuffered = streams["write_through"] or name == "stderr"
         raw = open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
-        stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,
-                                  line_buffering=streams["line_buffering"] or name == "stderr",
-                                  write_through=unbuffered and fd != 0)
+        stream = io.TextIOWrapper(
+            raw,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=streams["line_buffering"] or name == "stderr",
+            write_through=unbuffered and fd != 0,
+        )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 

@@ -60,8 +60,10 @@ from elastictrain.launcher.warm_server import ChildJob, cuda_initialized, run_ch
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastictrain.train.trainer")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH_", "CUDA_")
-USAGE = ("give the script to run (or -m MODULE) and its arguments after it, "
-         "as torchrun would run them: torchrun ... -m elastictrain.launcher.warmstart [--preload a,b] train.py ARGS")
+USAGE = (
+    "give the script to run (or -m MODULE) and its arguments after it, "
+    "as torchrun would run them: torchrun ... -m elastictrain.launcher.warmstart [--preload a,b] train.py ARGS"
+)
 HELP = """usage: torchrun ... -m elastictrain.launcher.warmstart [--preload a,b] (SCRIPT | -m MODULE) ARGS...
 
 Warm restarts: torchrun's restarted workers are forked from a per-node interpreter that has torch
@@ -229,7 +231,9 @@ def _start_server(base: str, target: Target) -> object:
             os.dup2(devnull, 1)  # stderr stays until it listens: a failure says so in the job's log
             os.close(devnull)
             os.ftruncate(lock_fd, 0)
-            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)  # who holds the server's name: its pid, for tools (tests/helpers/procs.py)
+            os.pwrite(
+                lock_fd, str(os.getpid()).encode(), 0
+            )  # who holds the server's name: its pid, for tools (tests/helpers/procs.py)
             job = serve(base, lock_fd, agent_fd)
         except BaseException:  # noqa: BLE001 - never run on as a second copy of the worker; a bug keeps its traceback
             import traceback  # only here: the thin client starts in milliseconds
@@ -297,10 +301,19 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
-    streams = {"line_buffering": bool(getattr(sys.stdout, "line_buffering", False)),
-               "write_through": bool(getattr(sys.stdout, "write_through", False))}
-    request = {"module": target.module, "script": target.script, "args": list(target.args), "cwd": os.getcwd(),
-               "env": dict(os.environ), "streams": streams, "client_started": process_started_unix()}
+    streams = {
+        "line_buffering": bool(getattr(sys.stdout, "line_buffering", False)),
+        "write_through": bool(getattr(sys.stdout, "write_through", False)),
+    }
+    request = {
+        "module": target.module,
+        "script": target.script,
+        "args": list(target.args),
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+        "streams": streams,
+        "client_started": process_started_unix(),
+    }
     try:
         connection.settimeout(REQUEST_TIMEOUT_S)
         send_message(connection, request, [0, 1, 2])
@@ -332,7 +345,7 @@ def process_started_unix(pid: int | str = "self") -> float:
     """When process ``pid`` was created (fork or exec), as a unix time: field 22 of /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat", "rb") as stat_file:
         raw = stat_file.read().decode()
-    start_ticks = int(raw[raw.rfind(")") + 2:].split()[19])
+    start_ticks = int(raw[raw.rfind(")") + 2 :].split()[19])
     age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
     return time.time() - age_s
 

@@ -35,8 +35,13 @@ HIGH_WATER_KEY = "high_water_step"  # in RunInfo.store: the highest global step 
 HIGH_WATER_EVERY_S = 1.0
 
 # Seconds spent in a state go to one cause; TRAIN is split between productive and recompute by step.
-_CAUSE_OF_STATE = {State.SNAPSHOT: "snapshot", State.LOCAL_SNAPSHOT: "snapshot", State.RESTORE: "restore",
-                   State.EVALUATE: "evaluate", State.ROLLBACK: "rollback"}
+_CAUSE_OF_STATE = {
+    State.SNAPSHOT: "snapshot",
+    State.LOCAL_SNAPSHOT: "snapshot",
+    State.RESTORE: "restore",
+    State.EVALUATE: "evaluate",
+    State.ROLLBACK: "rollback",
+}
 
 # A Trainer run twice in one process (a notebook, an in-process test) must not count the
 # process's whole age as the second run's restart time: it counts from the first one's end.
@@ -50,7 +55,9 @@ class Goodput(Observer):
     ``load_state_dict`` must run before the ``restored`` event.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, process_age_s: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, process_age_s: Callable[[], float] | None = None
+    ) -> None:
         self._clock = clock
         self._process_age_s = process_age_s or process_age_s_now
         self._lock = threading.Lock()  # the metrics server reads from its own thread

@@ -91,19 +91,36 @@ class PrometheusObserver(Observer):
         self.global_step = gauge("global_step", "Optimizer steps taken since the run began.")
         self.total_steps = gauge("total_steps", "Optimizer steps in the whole run at this world size.")
         self.epoch = gauge("epoch", "Current epoch (0-based; the count of finished epochs).")
-        self.samples_per_second = gauge("samples_per_second", "Global training samples per second over the last log interval.")
+        self.samples_per_second = gauge(
+            "samples_per_second", "Global training samples per second over the last log interval."
+        )
         self.steps_per_second = gauge("steps_per_second", "Optimizer steps per second over the last log interval.")
-        self.train_metric = gauge("train_metric", "Training loss and metrics, reduced over all ranks, last log interval.", ("name",))
+        self.train_metric = gauge(
+            "train_metric", "Training loss and metrics, reduced over all ranks, last log interval.", ("name",)
+        )
         self.learning_rate = gauge("learning_rate", "Learning rate of the first parameter group.")
-        self.validation_metric = gauge("validation_metric", "Validation loss and metrics over the whole validation set.", ("name",))
-        self.step_time = gauge("step_time_seconds", "Mean optimizer step time of each rank over the last log interval "
-                               "(equal on all ranks under synchronous training: each waits for the slowest).", ("rank",))
+        self.validation_metric = gauge(
+            "validation_metric", "Validation loss and metrics over the whole validation set.", ("name",)
+        )
+        self.step_time = gauge(
+            "step_time_seconds",
+            "Mean optimizer step time of each rank over the last log interval "
+            "(equal on all ranks under synchronous training: each waits for the slowest).",
+            ("rank",),
+        )
         # What the straggler log judges (stragglers.py): each rank's own compute, against the others' median.
-        self.compute_time = gauge("compute_time_seconds", "Each rank's mean compute per step over the last log interval: "
-                                  "its step time minus its wait in the gradient all-reduce.", ("rank",))
+        self.compute_time = gauge(
+            "compute_time_seconds",
+            "Each rank's mean compute per step over the last log interval: "
+            "its step time minus its wait in the gradient all-reduce.",
+            ("rank",),
+        )
         self.compute_others_median = gauge(
-            "compute_time_others_median_seconds", "The median of the other ranks' compute per step, what each rank's "
-            "elastictrain_compute_time_seconds is judged against (2 ranks or more).", ("rank",))
+            "compute_time_others_median_seconds",
+            "The median of the other ranks' compute per step, what each rank's "
+            "elastictrain_compute_time_seconds is judged against (2 ranks or more).",
+            ("rank",),
+        )
         self.state = gauge("state", "1 for the worker's current state, 0 for the others.", ("state",))
         self.world_size = gauge("world_size", "Workers in the process group.")
         self.restore_duration = gauge("restore_duration_seconds", "How long the last restore took.")
@@ -178,8 +195,9 @@ class PrometheusObserver(Observer):
         self.last_snapshot_step.labels(**labels).set(report.step)
         # Only rank 0 writes the snapshot, so only it knows how long that took and how big it is.
         if self._info is not None and self._info.rank == 0:
-            self.snapshot_buckets = [n + (report.duration_s <= bound) for n, bound in
-                                     zip(self.snapshot_buckets, SNAPSHOT_DURATION_BUCKETS_S)]
+            self.snapshot_buckets = [
+                n + (report.duration_s <= bound) for n, bound in zip(self.snapshot_buckets, SNAPSHOT_DURATION_BUCKETS_S)
+            ]
             self.snapshot_duration_count += 1
             self.snapshot_duration_sum_s += report.duration_s
             self.snapshot_size.labels(**labels).set(report.size_bytes)
@@ -227,19 +245,23 @@ class _ScrapeTimeCollector(Collector):
             family.add_metric(values, self.observer.counts[name])
             yield family
         anomalies = CounterMetricFamily(
-            PREFIX + "anomalies", "Non-finite or spiking steps in this attempt, by decision (skip, rollback: a replay "
+            PREFIX + "anomalies",
+            "Non-finite or spiking steps in this attempt, by decision (skip, rollback: a replay "
             "began, data: it recurred and its samples are skipped, transient: the replay was clean).",
-            labels=[*names, "decision"])
+            labels=[*names, "decision"],
+        )
         for decision, count in self.observer.anomalies.items():
             anomalies.add_metric([*values, decision], count)
         yield anomalies
         observer = self.observer
         if observer.snapshot_duration_count:  # only rank 0 times the commits it writes
-            histogram = HistogramMetricFamily(PREFIX + "snapshot_duration_seconds",
-                                              "Training blocked by each committed snapshot.", labels=names)
+            histogram = HistogramMetricFamily(
+                PREFIX + "snapshot_duration_seconds", "Training blocked by each committed snapshot.", labels=names
+            )
             buckets = [(str(bound), n) for bound, n in zip(SNAPSHOT_DURATION_BUCKETS_S, observer.snapshot_buckets)]
-            histogram.add_metric(values, [*buckets, ("+Inf", observer.snapshot_duration_count)],
-                                 observer.snapshot_duration_sum_s)
+            histogram.add_metric(
+                values, [*buckets, ("+Inf", observer.snapshot_duration_count)], observer.snapshot_duration_sum_s
+            )
             yield histogram
         restarts = CounterMetricFamily(
             PREFIX + "restarts", "Worker-group restarts by the launcher (torchrun/SLURM restart count).", labels=names
@@ -250,12 +272,15 @@ class _ScrapeTimeCollector(Collector):
         if goodput is None:
             return
         seconds = CounterMetricFamily(
-            PREFIX + "goodput_seconds", "Wall-clock seconds by cause, over every attempt of the run.", labels=[*names, "cause"]
+            PREFIX + "goodput_seconds",
+            "Wall-clock seconds by cause, over every attempt of the run.",
+            labels=[*names, "cause"],
         )
         for cause, value in goodput.seconds_by_cause().items():
             seconds.add_metric([*values, cause], value)
         yield seconds
-        ratio = GaugeMetricFamily(PREFIX + "goodput_ratio", "Productive seconds over all seconds counted.", labels=names)
+        ratio = GaugeMetricFamily(
+            PREFIX + "goodput_ratio", "Productive seconds over all seconds counted.", labels=names
+        )
         ratio.add_metric(values, goodput.goodput_ratio())
         yield ratio
-

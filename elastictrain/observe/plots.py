@@ -140,8 +140,12 @@ def _draw(axes, name: str, keys: list[str], records, markers: list[Marker], run_
         split = next((SPLIT_NAMES[p] for p in SPLIT_PREFIXES if key.startswith(p)), None)
         label = f"{split} {title}" if split else title
         axes.plot(
-            steps, values, label=label, linewidth=1.8,
-            marker="o" if is_val or len(points) < 3 else None, markersize=4,
+            steps,
+            values,
+            label=label,
+            linewidth=1.8,
+            marker="o" if is_val or len(points) < 3 else None,
+            markersize=4,
             color="tab:orange" if is_val else "tab:blue",
             # The learning rate is logged every log interval and changes in steps (a schedule's
             # drop): hold each value until the next record instead of drawing a slope between them.
@@ -152,14 +156,26 @@ def _draw(axes, name: str, keys: list[str], records, markers: list[Marker], run_
         kind = "restart" if marker.restart_counts else "world size change"
         first_of_kind = all(bool(m.restart_counts) != bool(marker.restart_counts) for m in markers[:index])
         axes.axvline(
-            marker.step, color=color, linestyle="--", linewidth=1.2, alpha=0.8,
+            marker.step,
+            color=color,
+            linestyle="--",
+            linewidth=1.2,
+            alpha=0.8,
             label=kind if first_of_kind else None,
         )
         # Text along the line, from the top of the axes down, so it never hides the curves' start.
         axes.annotate(
-            marker.label, xy=(marker.step, 1.0), xycoords=("data", "axes fraction"),
-            xytext=(3, -4), textcoords="offset points", rotation=90, va="top", ha="left",
-            fontsize=8, color=color, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+            marker.label,
+            xy=(marker.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -4),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            ha="left",
+            fontsize=8,
+            color=color,
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
         )
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(title)
@@ -173,7 +189,7 @@ def _draw(axes, name: str, keys: list[str], records, markers: list[Marker], run_
 def _strip_split(key: str) -> str:
     for prefix in SPLIT_PREFIXES:
         if key.startswith(prefix) and len(key) > len(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 

@@ -49,7 +49,10 @@ def others_median_s(compute_s_by_rank: Sequence[float]) -> list[float]:
     """For each rank, the median of the *other* ranks' values (what a rank is judged against); empty below 2 ranks."""
     if len(compute_s_by_rank) < 2:
         return []
-    return [statistics.median(s for r, s in enumerate(compute_s_by_rank) if r != rank) for rank in range(len(compute_s_by_rank))]
+    return [
+        statistics.median(s for r, s in enumerate(compute_s_by_rank) if r != rank)
+        for rank in range(len(compute_s_by_rank))
+    ]
 
 
 def find_stragglers(compute_s_by_rank: Sequence[float], factor: float, min_excess_s: float = 0.0) -> list[Straggler]:
@@ -76,7 +79,9 @@ class StragglerReport(Observer):
     step's collectives.
     """
 
-    def __init__(self, settings: StragglerSettings = StragglerSettings(), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, settings: StragglerSettings = StragglerSettings(), clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings
         self._clock = clock
         self._is_main = True
@@ -88,7 +93,9 @@ class StragglerReport(Observer):
     def trained(self, interval: TrainInterval) -> None:
         self.observe(interval.step, interval.step_time_s_by_rank, getattr(interval, "sync_wait_s_by_rank", None))
 
-    def observe(self, step: int, step_time_s_by_rank: Sequence[float], sync_wait_s_by_rank: Sequence[float] | None = None) -> None:
+    def observe(
+        self, step: int, step_time_s_by_rank: Sequence[float], sync_wait_s_by_rank: Sequence[float] | None = None
+    ) -> None:
         """One interval's per-rank mean step time (and wait in the gradient all-reduce, if measured)."""
         if not self._is_main or not step_time_s_by_rank:
             return
@@ -102,8 +109,18 @@ class StragglerReport(Observer):
             self._last_named[straggler.rank] = now
         named = ", ".join(
             f"rank {s.rank}: {s.compute_s * 1e3:.1f} ms per step, {s.compute_s / max(s.others_median_s, 1e-9):.1f}x "
-            f"the others' median {s.others_median_s * 1e3:.1f} ms" for s in due
+            f"the others' median {s.others_median_s * 1e3:.1f} ms"
+            for s in due
         )
-        measure = "compute = step time minus the wait in the gradient all-reduce" if sync_wait_s_by_rank else "by step time"
-        log.warning("straggler at step %d: %s; every rank waits for it in each step (%s; factor %g; named again after "
-                    "%.0f s if it stays slow)", step, named, measure, self.settings.factor, self.settings.repeat_after_s)
+        measure = (
+            "compute = step time minus the wait in the gradient all-reduce" if sync_wait_s_by_rank else "by step time"
+        )
+        log.warning(
+            "straggler at step %d: %s; every rank waits for it in each step (%s; factor %g; named again after "
+            "%.0f s if it stays slow)",
+            step,
+            named,
+            measure,
+            self.settings.factor,
+            self.settings.repeat_after_s,
+        )

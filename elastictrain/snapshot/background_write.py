@@ -44,7 +44,9 @@ class BackgroundWrite:
         self.write_s = 0.0
         self.outcome: CommitOutcome | None = None  # what Snapshotter._commit returns
         self.crash: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(write,), name=f"elastictrain-snapshot-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(write,), name=f"elastictrain-snapshot-{step}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -91,8 +93,9 @@ class BackgroundWrites:
         if flight.crash is not None:
             self.crash = flight.crash
             self.failed = f"the background snapshot write of step {flight.step} crashed: {flight.crash!r}"
-            self._reports.append(SnapshotReport(flight.step, False, flight.blocked_s, 0, self.failed, flight.write_s,
-                                                self.tier))
+            self._reports.append(
+                SnapshotReport(flight.step, False, flight.blocked_s, 0, self.failed, flight.write_s, self.tier)
+            )
             return
         assert flight.outcome is not None  # the write returned (no crash)
         outcome = flight.outcome

@@ -63,7 +63,9 @@ def failures_and_exposure(attempts: list[dict[str, Any]], current_s: float) -> t
 class FastTierTimer(Observer):
     """Rank 0's clock for timed fast-tier snapshots: ``every_s`` seconds apart, or Young/Daly's (``"auto"``)."""
 
-    def __init__(self, every_s: float | str, clock: Callable[[], float] = time.monotonic, prior_mtbf_s: float = 0.0) -> None:
+    def __init__(
+        self, every_s: float | str, clock: Callable[[], float] = time.monotonic, prior_mtbf_s: float = 0.0
+    ) -> None:
         self.auto = every_s == AUTO
         self.prior_mtbf_s = prior_mtbf_s
         self.every_s = 0.0 if self.auto else float(every_s)
@@ -129,7 +131,12 @@ class FastTierTimer(Observer):
 
     def _announce(self, cost_from: str) -> None:
         self._announced = True
-        log.info("fast-tier copies every %.2f s from now on (auto, Young/Daly: %.0f ms a copy, %d failure(s) in %.0f s "
-                 "of training; the cost %s)", self.interval_s(), statistics.median(self._costs) * 1e3, self.failures,
-                 self.exposure_s(),
-                 cost_from)
+        log.info(
+            "fast-tier copies every %.2f s from now on (auto, Young/Daly: %.0f ms a copy, %d failure(s) in %.0f s "
+            "of training; the cost %s)",
+            self.interval_s(),
+            statistics.median(self._costs) * 1e3,
+            self.failures,
+            self.exposure_s(),
+            cost_from,
+        )

@@ -75,8 +75,12 @@ def offer(fast: NodeTier) -> dict[CopyKey, NodeOffer]:
             if problem is None:
                 verified.add(name)
             else:
-                log.warning("skipping %s of the node-local copy %s: %s", name, fast.store.client.where(listing.snapshot_id),
-                            problem)
+                log.warning(
+                    "skipping %s of the node-local copy %s: %s",
+                    name,
+                    fast.store.client.where(listing.snapshot_id),
+                    problem,
+                )
         offers[(manifest.step, manifest.objects[METADATA].digest)] = NodeOffer(frozenset(verified), manifest)
     return offers
 
@@ -96,8 +100,9 @@ def choose(offers: list[dict[CopyKey, NodeOffer]]) -> CopyKey | None:
 class FastShardRestore:
     """Bring one chosen copy's files to every node, then hand ``restore.py`` the bytes of state.pt and where to load."""
 
-    def __init__(self, fast: NodeTier, ctx: DistContext, key: CopyKey, offers: list[dict[CopyKey, NodeOffer]],
-                 nodes: list[int]) -> None:
+    def __init__(
+        self, fast: NodeTier, ctx: DistContext, key: CopyKey, offers: list[dict[CopyKey, NodeOffer]], nodes: list[int]
+    ) -> None:
         self.fast, self.ctx, self.key, self.nodes = fast, ctx, key, nodes
         self.holdings = {rank: rank_offers[key] for rank, rank_offers in enumerate(offers) if key in rank_offers}
         self.staging = os.path.join(fast.store.root, f"restoring-step-{key[0]}")  # not a step-* prefix: no snapshot
@@ -114,8 +119,11 @@ class FastShardRestore:
         needed = sorted(next(iter(self.holdings.values())).needed - {STATE_OBJECT})
         error = self._link_own(own, needed) if self.fast.is_writer else None
         for name in needed:
-            lacking = {n for n in set(self.nodes)
-                       if not any(name in held.verified for rank, held in self.holdings.items() if self.nodes[rank] == n)}
+            lacking = {
+                n
+                for n in set(self.nodes)
+                if not any(name in held.verified for rank, held in self.holdings.items() if self.nodes[rank] == n)
+            }
             if not lacking:
                 continue
             holder = self.holder(name)
@@ -124,14 +132,19 @@ class FastShardRestore:
             if self.fast.is_writer and node in lacking and error is None:
                 error = self._stage(name, received)
         holder = self.holder(STATE_OBJECT)
-        manifest = broadcast_from_main(self.holdings[holder].manifest if self.ctx.rank == holder else None, self.ctx, src=holder)
-        objects = broadcast_bytes_from_main({STATE_OBJECT: self._read(STATE_OBJECT)} if self.ctx.rank == holder else None,
-                                            self.ctx, src=holder)
+        manifest = broadcast_from_main(
+            self.holdings[holder].manifest if self.ctx.rank == holder else None, self.ctx, src=holder
+        )
+        objects = broadcast_bytes_from_main(
+            {STATE_OBJECT: self._read(STATE_OBJECT)} if self.ctx.rank == holder else None, self.ctx, src=holder
+        )
         # Every node's staging directory is complete before any of its ranks reads from it (and all learn if one is not).
         errors = [e for e in all_gather(error, self.ctx) if e is not None]
         if errors:
-            raise StorageError(f"the node-local copy of step {self.key[0]} could not be staged: {errors[0]}; set "
-                               "snapshot.local.url=null to restore from the durable store — nothing saved is lost")
+            raise StorageError(
+                f"the node-local copy of step {self.key[0]} could not be staged: {errors[0]}; set "
+                "snapshot.local.url=null to restore from the durable store — nothing saved is lost"
+            )
         return manifest, objects, self.staging
 
     def sources(self) -> str:
@@ -145,7 +158,9 @@ class FastShardRestore:
             holder = self.holder(name)
             kind = "peer" if name in self.holdings[holder].manifest.meta.get("peer_files", []) else "own"
             wrote = f"node {saved_nodes[origin]}'s" if origin < len(saved_nodes) else "the"
-            parts.setdefault(f"{wrote} shards (ranks %s) from node {self.nodes[holder]}'s {kind} copy", []).append(origin)
+            parts.setdefault(f"{wrote} shards (ranks %s) from node {self.nodes[holder]}'s {kind} copy", []).append(
+                origin
+            )
         return ", ".join(text % ", ".join(map(str, sorted(ranks))) for text, ranks in sorted(parts.items()))
 
     def done(self) -> None:

@@ -122,8 +122,11 @@ class FastShards:
         # DCP's coordinator (rank 0) wrote .metadata on its node alone; every other node's writer keeps its bytes too.
         sent = broadcast_bytes_from_main(metadata if self.ctx.is_main else None, self.ctx).get(METADATA)
         if is_writer and node != nodes[0] and error is None:
-            error = "rank 0 could not read back DCP's .metadata" if sent is None \
+            error = (
+                "rank 0 could not read back DCP's .metadata"
+                if sent is None
                 else _keep(held, METADATA, _write(prefix, METADATA, sent))
+            )
         received, peer_error = self._exchange(prefix, own, peers)
         held.update(received)
         error = error or peer_error
@@ -131,17 +134,26 @@ class FastShards:
         mine = [(h, e) for n, h, e in shares if n == node]
         copy = NodeCopy({name: entry for h, _ in mine for name, entry in h.items()})
         copy.error = next((e for _, e in mine if e is not None), None)
-        copy.meta = {"node": node, "nodes": nodes, "shards": shards,
-                     "peer_files": sorted(n for n in copy.written if (o := origin_rank(n)) is not None and nodes[o] != node)}
+        copy.meta = {
+            "node": node,
+            "nodes": nodes,
+            "shards": shards,
+            "peer_files": sorted(n for n in copy.written if (o := origin_rank(n)) is not None and nodes[o] != node),
+        }
         return copy
 
-    def _exchange(self, prefix: str, own: dict[str, bytes], peers: list[int | None]) -> tuple[dict[str, ObjectEntry], str | None]:
+    def _exchange(
+        self, prefix: str, own: dict[str, bytes], peers: list[int | None]
+    ) -> tuple[dict[str, ObjectEntry], str | None]:
         """Send this rank's shard files (``own``: their bytes) to its peer, receive those of the ranks it keeps into
         this node's ``prefix``; (what it received, why not)."""
         senders = [rank for rank, peer in enumerate(peers) if peer == self.ctx.rank and rank != self.ctx.rank]
         mine_to_send = own if peers[self.ctx.rank] is not None else {}
-        offered = all_gather({name: len(data) for name, data in mine_to_send.items()}, self.ctx) \
-            if self.ctx.distributed and peers[self.ctx.rank] is not None else [{}] * self.ctx.world_size
+        offered = (
+            all_gather({name: len(data) for name, data in mine_to_send.items()}, self.ctx)
+            if self.ctx.distributed and peers[self.ctx.rank] is not None
+            else [{}] * self.ctx.world_size
+        )
         works, sending, buffers = [], [], []
         for data in mine_to_send.values():
             sending.append(self._on_device(torch.frombuffer(bytearray(data), dtype=torch.uint8)))  # alive until sent

@@ -29,8 +29,6 @@ MODEL_OBJECT = "model.pt"
 STATE_OBJECT = "state.pt"
 
 
-
-
 # torch.save's per-record CRC-32 cost ~57 ms of a ~60 ms save of a 200 MB state (zlib's crc32 at
 # ~3.5 GB/s, with the GIL held), and torch.load never checks it; the store checksums every byte
 # already. The switch is torch's global, so it is flipped only around our own saves, one at a time.
@@ -107,6 +105,7 @@ def without_compile_wrapper(weights: dict[str, Any], own: dict[str, Any]) -> dic
     it (from a model registered compiled by an earlier version, or saved elsewhere) loads into the plain model.
     Unchanged when ``own`` itself has the wrapper's names or ``weights`` has none.
     """
+
     def plain(key: str) -> str:
         return ".".join(part for part in key.split(".") if part != COMPILE_WRAPPER)
 
@@ -119,8 +118,12 @@ def without_compile_wrapper(weights: dict[str, Any], own: dict[str, Any]) -> dic
     return renamed
 
 
-def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str,
-                       start_fresh: str = "start fresh with snapshot.durable.url set to an empty location") -> None:
+def load_model_weights(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    where: str,
+    start_fresh: str = "start fresh with snapshot.durable.url set to an empty location",
+) -> None:
     """Load weights strictly; a different model is one clear error naming the differences and ``start_fresh``."""
     own = model.state_dict()
     weights = without_compile_wrapper(weights, own)
@@ -134,7 +137,11 @@ def load_model_weights(model: nn.Module, weights: dict[str, torch.Tensor], where
     if missing or unexpected or reshaped:
         parts = [
             f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape (snapshot vs model)", reshaped))
+            for label, items in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape (snapshot vs model)", reshaped),
+            )
             if items
         ]
         raise SnapshotError(

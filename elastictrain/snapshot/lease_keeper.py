@@ -69,7 +69,9 @@ class LeaseKeeper:
         try:
             self.store.release_lease()
         except ElastictrainError as exc:
-            log.warning("could not release the snapshot store's lease (%s); it goes stale in %.0f s", exc, self.stale_after_s)
+            log.warning(
+                "could not release the snapshot store's lease (%s); it goes stale in %.0f s", exc, self.stale_after_s
+            )
 
 
 def job_token(ctx: DistContext) -> str:

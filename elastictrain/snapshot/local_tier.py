@@ -40,18 +40,34 @@ class LocalTier(Snapshotter):
 
     tier = "local"
 
-    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any],
-                 train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        statefuls: dict[str, Any],
+        train_samples: int | None = None,
+        rank_statefuls: dict[str, Any] | None = None,
+    ) -> None:
         assert cfg.local_snapshot_url is not None  # the fast tier exists only with snapshot.local.url
         local, fsdp = cfg.snapshot.local, cfg.dist.strategy == "fsdp"
-        settings = TierSettings(url=cfg.local_snapshot_url, storage_options={},
-                                retry_for_s=min(2.0, cfg.snapshot.durable.retry_for_s), keep_last=local.keep_last,
-                                on_error="continue", is_writer=ctx.env.local_rank == 0, asynchronous=local.async_write,
-                                # fsdp: no recycling (fast_shards.py says why)
-                                recycle_keep_last=0 if fsdp else local.keep_last, url_key="snapshot.local.url")
+        settings = TierSettings(
+            url=cfg.local_snapshot_url,
+            storage_options={},
+            retry_for_s=min(2.0, cfg.snapshot.durable.retry_for_s),
+            keep_last=local.keep_last,
+            on_error="continue",
+            is_writer=ctx.env.local_rank == 0,
+            asynchronous=local.async_write,
+            # fsdp: no recycling (fast_shards.py says why)
+            recycle_keep_last=0 if fsdp else local.keep_last,
+            url_key="snapshot.local.url",
+        )
         super().__init__(cfg, ctx, model, statefuls, settings, train_samples, rank_statefuls)
         self._size_checked = False
-        self._run_name_dir: str | None = None  # the fast tier's directory of run.name, once joined to the run (join_run)
+        self._run_name_dir: str | None = (
+            None  # the fast tier's directory of run.name, once joined to the run (join_run)
+        )
         self.fast_shards = FastShards(self.sharded, ctx) if self.sharded is not None else None
 
     def join_run(self, run_id: str) -> str | None:
@@ -64,19 +80,28 @@ class LocalTier(Snapshotter):
         base = self._run_name_dir = self.cfg.local_snapshot_url
         assert base is not None  # the fast tier exists only with snapshot.local.url
         old = self.store
-        self.store = SnapshotStore(os.path.join(base, run_id), retry_for_s=old.retry_for_s,
-                                   recycle_keep_last=old.recycle_keep_last, url_key=old.url_key)
+        self.store = SnapshotStore(
+            os.path.join(base, run_id),
+            retry_for_s=old.retry_for_s,
+            recycle_keep_last=old.recycle_keep_last,
+            url_key=old.url_key,
+        )
         if not self.is_writer:
             return None
         try:
             self.store.check_writable()
         except StorageError as exc:
-            return (f"snapshot.local.url={self.cfg.snapshot.local.url} cannot be used on this node: {exc} (or set "
-                    "snapshot.local.url=null to train without the fast tier) — nothing saved is lost")
+            return (
+                f"snapshot.local.url={self.cfg.snapshot.local.url} cannot be used on this node: {exc} (or set "
+                "snapshot.local.url=null to train without the fast tier) — nothing saved is lost"
+            )
         for other in _other_runs_copies(base, run_id):
-            log.warning("skipping the node-local copies in %s: they belong to another run of this run.name (not to the "
-                        "durable store %s) and are never restored here; remove that directory to give its memory back",
-                        other, self.cfg.durable_snapshot_url)
+            log.warning(
+                "skipping the node-local copies in %s: they belong to another run of this run.name (not to the "
+                "durable store %s) and are never restored here; remove that directory to give its memory back",
+                other,
+                self.cfg.durable_snapshot_url,
+            )
         return None
 
     def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
@@ -102,13 +127,14 @@ class LocalTier(Snapshotter):
             if self._run_name_dir is not None:
                 with contextlib.suppress(OSError):  # the run.name's directory, once no run's copies are left in it
                     os.rmdir(self._run_name_dir)
-                root = os.path.dirname(self._run_name_dir)  # snapshot.local.url itself, once empty (never a mount point)
+                root = os.path.dirname(
+                    self._run_name_dir
+                )  # snapshot.local.url itself, once empty (never a mount point)
                 if not os.path.ismount(root):
                     with contextlib.suppress(OSError):
                         os.rmdir(root)
         except OSError as exc:
             log.warning("could not remove the node-local snapshots at %s: %s", self.store.url, exc)
-
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -151,7 +177,9 @@ class LocalTier(Snapshotter):
         outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
         return outcome.report(step, time.monotonic() - started, self.tier)
 
-    def _save_node_copy(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float) -> SnapshotReport | None:
+    def _save_node_copy(
+        self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float
+    ) -> SnapshotReport | None:
         """fsdp: every rank writes its shards into its node's copy and its peer node's (``fast_shards.py``); each node's
         writer commits what its node holds, or warns why it cannot."""
         assert self.fast_shards is not None  # fsdp's fast tier
@@ -175,7 +203,6 @@ class LocalTier(Snapshotter):
         outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
         return outcome.report(step, time.monotonic() - started, self.tier)
 
-
     def _holds_a_copy(self) -> bool:
         try:
             return any(snapshot.manifest is not None for snapshot in self.store.list_snapshots())
@@ -184,7 +211,9 @@ class LocalTier(Snapshotter):
 
     def _check_fits(self, rank_states: list[dict]) -> str | None:
         """The fast tier must not fill the node's memory: its size is known now, before the first write."""
-        model_bytes = self.fast_shards.node_bytes if self.fast_shards is not None else _tensor_bytes(self.model.state_dict())
+        model_bytes = (
+            self.fast_shards.node_bytes if self.fast_shards is not None else _tensor_bytes(self.model.state_dict())
+        )
         state_bytes = model_bytes + _tensor_bytes(self._state_dict(rank_states))
         needed = state_bytes * (self.keep_last + 1)  # the kept copies and the one being written
         path = self.store.root
@@ -193,10 +222,12 @@ class LocalTier(Snapshotter):
         free = shutil.disk_usage(path).free
         if needed <= free:
             return None
-        return (f"the node-local snapshot tier {self.store.url} needs about {needed / 1e6:.0f} MB "
-                f"({self.keep_last} kept + 1 being written, {state_bytes / 1e6:.0f} MB each) but {path} has "
-                f"{free / 1e6:.0f} MB free; lower snapshot.local.keep_last, point snapshot.local.url at a larger "
-                "node-local path, or set it to null — the durable snapshots are untouched")
+        return (
+            f"the node-local snapshot tier {self.store.url} needs about {needed / 1e6:.0f} MB "
+            f"({self.keep_last} kept + 1 being written, {state_bytes / 1e6:.0f} MB each) but {path} has "
+            f"{free / 1e6:.0f} MB free; lower snapshot.local.keep_last, point snapshot.local.url at a larger "
+            "node-local path, or set it to null — the durable snapshots are untouched"
+        )
 
 
 def _other_runs_copies(base: str, run_id: str) -> list[str]:

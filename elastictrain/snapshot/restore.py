@@ -76,8 +76,9 @@ class Restored:
     duration_s: float
 
 
-def restore_newest(durable: SnapshotTier, fast: FastTier | None, run_id: str, started: float,
-                   keep: tuple[str, ...] = ()) -> Restored | None:
+def restore_newest(
+    durable: SnapshotTier, fast: FastTier | None, run_id: str, started: float, keep: tuple[str, ...] = ()
+) -> Restored | None:
     """Every rank: load the newest valid snapshot of either tier into ``durable``'s objects; None to start fresh.
 
     Sets ``durable.last_committed`` to the durable store's newest committed snapshot. ``keep``: a
@@ -102,12 +103,13 @@ def restore_newest(durable: SnapshotTier, fast: FastTier | None, run_id: str, st
             shard_offers = fast_restore.offer(fast)
         elif fast.is_writer or len(set(nodes)) == 1:  # on one node every rank reads its copy at once: none is sent
             local_found = fast.newest_local()
-        local_steps, offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers),
-                                              durable.ctx))
+        local_steps, offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers), durable.ctx))
         every_offer = list(offers)
         shard_copy = fast_restore.choose(every_offer) if fast.sharded is not None else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
-    read: dict[str, Any] = {}  # rank 0: the durable snapshot it read, (manifest, payload), when newer than the fast copies
+    read: dict[
+        str, Any
+    ] = {}  # rank 0: the durable snapshot it read, (manifest, payload), when newer than the fast copies
 
     def newest_durable() -> Manifest | None:
         if rollback and newest_local >= 0 and (durable.last_committed or (-1,))[0] <= newest_local:
@@ -132,36 +134,57 @@ def restore_newest(durable: SnapshotTier, fast: FastTier | None, run_id: str, st
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
         local_found = None  # an older fast copy read here: not held while the durable one arrives
         # A sharded snapshot's shards stay where they are: every rank reads its own part of them (sharded.py).
-        sent = {name: data for name, data in found[1].items() if not manifest.meta.get("sharded") or name == STATE_OBJECT} \
-            if found else None
+        sent = (
+            {name: data for name, data in found[1].items() if not manifest.meta.get("sharded") or name == STATE_OBJECT}
+            if found
+            else None
+        )
         objects = broadcast_bytes_from_main(sent, durable.ctx)
         load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
         durable.last_committed = (manifest.step, manifest.created_unix)
-    elif shard_copy is not None:  # fsdp: the files the nodes hold together, brought to every node, each rank reading its part
+    elif (
+        shard_copy is not None
+    ):  # fsdp: the files the nodes hold together, brought to every node, each rank reading its part
         assert fast is not None  # only the fast tier has shard copies
         copies = fast_restore.FastShardRestore(fast, durable.ctx, shard_copy, every_offer, list(nodes))
         manifest, objects, staged = copies.bring()
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep, staged)
         copies.done()
-        log.info("%s step %d from the node-local tier: %s", "rolled back to" if rollback else "restored", manifest.step,
-                 copies.sources())
+        log.info(
+            "%s step %d from the node-local tier: %s",
+            "rolled back to" if rollback else "restored",
+            manifest.step,
+            copies.sources(),
+        )
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one read it
         assert fast is not None  # only the fast tier has node copies
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
         objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
-        log.info("%s step %d from the node-local tier of node %d (rank %d)%s%s", "rolled back to" if rollback else "restored", manifest.step, nodes[holder],
-                 holder, " (a survivor copy)" if manifest.meta.get("survivor") else "", how)
+        log.info(
+            "%s step %d from the node-local tier of node %d (rank %d)%s%s",
+            "rolled back to" if rollback else "restored",
+            manifest.step,
+            nodes[holder],
+            holder,
+            " (a survivor copy)" if manifest.meta.get("survivor") else "",
+            how,
+        )
     else:
         return None
     saved_world_size = int(manifest.meta.get("world_size", durable.ctx.world_size))
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
 
 
-def node_copy_objects(fast: FastTier, ctx: DistContext, manifest: Manifest,
-                      found: tuple[Manifest, dict[str, bytes]] | None, holder: int,
-                      nodes: list[int]) -> tuple[dict[str, Any], str]:
+def node_copy_objects(
+    fast: FastTier,
+    ctx: DistContext,
+    manifest: Manifest,
+    found: tuple[Manifest, dict[str, bytes]] | None,
+    holder: int,
+    nodes: list[int],
+) -> tuple[dict[str, Any], str]:
     """Every rank: the bytes of the fast copy rank ``holder`` read, and how this rank got them. ``found``: what
     ``newest_local`` read on this rank.
 
@@ -186,22 +209,36 @@ def node_copy_objects(fast: FastTier, ctx: DistContext, manifest: Manifest,
         problems = [p for p in all_gather(problem, ctx) if p is not None]
         if not problems and own is not None:  # own: read whenever no rank had a problem
             return own, ", read by every rank from its node" if ctx.world_size > 1 else ""
-        log.warning("a rank could not read the node-local copy %s itself (%s): rank %d sends it", manifest.snapshot_id,
-                    problems[0], holder)
-    received = broadcast_bytes_from_main(found[1] if ctx.rank == holder and found is not None else None, ctx, src=holder)
+        log.warning(
+            "a rank could not read the node-local copy %s itself (%s): rank %d sends it",
+            manifest.snapshot_id,
+            problems[0],
+            holder,
+        )
+    received = broadcast_bytes_from_main(
+        found[1] if ctx.rank == holder and found is not None else None, ctx, src=holder
+    )
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
-def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, Any], where: str,
-                  keep: tuple[str, ...] = (), shards_url: str | None = None) -> None:
+def load_snapshot(
+    target: SnapshotTier,
+    manifest: Manifest,
+    objects: dict[str, Any],
+    where: str,
+    keep: tuple[str, ...] = (),
+    shards_url: str | None = None,
+) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
     after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store)."""
     sharded = bool(manifest.meta.get("sharded"))
     if sharded != (target.sharded is not None):
         strategy = "fsdp" if sharded else "ddp"
-        raise SnapshotError(f"{where} was taken with dist.strategy={strategy}, this run has dist.strategy="
-                            f"{target.cfg.dist.strategy}; resume with dist.strategy={strategy} (`elastictrain snapshots "
-                            f"export` writes its weights for a new run) — nothing was deleted")
+        raise SnapshotError(
+            f"{where} was taken with dist.strategy={strategy}, this run has dist.strategy="
+            f"{target.cfg.dist.strategy}; resume with dist.strategy={strategy} (`elastictrain snapshots "
+            f"export` writes its weights for a new run) — nothing was deleted"
+        )
     for name in (STATE_OBJECT,) if sharded else (MODEL_OBJECT, STATE_OBJECT):
         if name not in objects:
             raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
@@ -212,15 +249,21 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
             f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "
             f"use the elastictrain version that wrote it, or {start_fresh_advice(target.cfg)} — nothing was deleted"
         )
-    if target.sharded is not None:  # the model and optimizers: every rank reads its part of the shards, at any world size
+    if (
+        target.sharded is not None
+    ):  # the model and optimizers: every rank reads its part of the shards, at any world size
         target.sharded.load(shards_url or target.store.prefix_url(manifest.step), where)
     else:
         assert weights is not None  # not sharded: read above
         load_model_weights(target.model, weights, where, start_fresh_advice(target.cfg))
     check_config(target.cfg, target.train_samples, state.get("config", {}), state["env"], where)
     for name, component in target.statefuls.items():  # before anything is loaded: all or nothing
-        if isinstance(component, Optimizer) and "param_groups" in (state.get(name) or {}) and name not in keep \
-                and not sharded:  # fsdp: the optimizers load from the shards
+        if (
+            isinstance(component, Optimizer)
+            and "param_groups" in (state.get(name) or {})
+            and name not in keep
+            and not sharded
+        ):  # fsdp: the optimizers load from the shards
             check_optimizer_fits(component, state[name], f"{where} ({name!r})", target.cfg)
     if target.statefuls.get("optimizer") is not None and state.get("optimizer") is not None:
         warn_on_changed_hyperparameters(target.statefuls["optimizer"], state["optimizer"], where, target.cfg)
@@ -233,8 +276,13 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
         if component is not None and saved is not None:
             component.load_state_dict(saved)
         elif name in _OPTIONAL_COMPONENTS and (component is None) != (saved is None):
-            log.warning("%s: %s is %s in the snapshot but %s in this run; it starts fresh", where, name,
-                        "absent" if saved is None else "present", "absent" if component is None else "present")
+            log.warning(
+                "%s: %s is %s in the snapshot but %s in this run; it starts fresh",
+                where,
+                name,
+                "absent" if saved is None else "present",
+                "absent" if component is None else "present",
+            )
     progress = target.statefuls["progress"]
     saved_env = state["env"]
     for name, component in target.rank_statefuls.items():
@@ -254,10 +302,16 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
     if saved_env["world_size"] == target.ctx.world_size:
         restore_rng(state["rng"][target.ctx.rank], target.ctx.device)
     elif target.cfg.train.virtual_shards:
-        log.info("%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of "
-                 "epoch %d; each virtual shard seeds its own RNG stream (train.virtual_shards), so the numbers "
-                 "stay bitwise those of an unbroken run", where, saved_env["world_size"], target.ctx.world_size,
-                 progress.epoch_offset, progress.epoch)
+        log.info(
+            "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of "
+            "epoch %d; each virtual shard seeds its own RNG stream (train.virtual_shards), so the numbers "
+            "stay bitwise those of an unbroken run",
+            where,
+            saved_env["world_size"],
+            target.ctx.world_size,
+            progress.epoch_offset,
+            progress.epoch,
+        )
     else:
         # The data position re-shards exactly; per-rank random streams cannot, so they are
         # re-seeded from the step (the same on every restart with this world size).
@@ -265,8 +319,17 @@ def load_snapshot(target: SnapshotTier, manifest: Manifest, objects: dict[str, A
         log.warning(
             "%s was taken with world size %d, this run has %d: data position re-sharded from sample %d of epoch %d, "
             "RNG streams re-seeded (results will not be bitwise equal to an unbroken run)",
-            where, saved_env["world_size"], target.ctx.world_size, progress.epoch_offset, progress.epoch,
+            where,
+            saved_env["world_size"],
+            target.ctx.world_size,
+            progress.epoch_offset,
+            progress.epoch,
         )
-    log.info("%s %s: step %d, epoch %d, sample %d of the epoch", "rolled back to" if keep else "restored", where,
-             progress.global_step,
-             progress.epoch, progress.epoch_offset)
+    log.info(
+        "%s %s: step %d, epoch %d, sample %d of the epoch",
+        "rolled back to" if keep else "restored",
+        where,
+        progress.global_step,
+        progress.epoch,
+        progress.epoch_offset,
+    )

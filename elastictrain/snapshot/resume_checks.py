@@ -19,11 +19,21 @@ log = logging.getLogger("elastictrain")
 
 # Config keys whose change makes a resume wrong: another data order, other data, another model
 # or another batch geometry inside one run. Any other change is logged in one line and applied.
-RESUME_CRITICAL_KEYS = ("run.seed", "task.factory", "task.args", "train.batch_size", "train.grad_accum_steps", "data.shuffle",
-                        "train.virtual_shards", "train_data.len")
+RESUME_CRITICAL_KEYS = (
+    "run.seed",
+    "task.factory",
+    "task.args",
+    "train.batch_size",
+    "train.grad_accum_steps",
+    "data.shuffle",
+    "train.virtual_shards",
+    "train_data.len",
+)
 
 
-def check_config(cfg: Config, train_samples: int | None, saved: dict[str, Any], saved_env: dict[str, Any], where: str) -> None:
+def check_config(
+    cfg: Config, train_samples: int | None, saved: dict[str, Any], saved_env: dict[str, Any], where: str
+) -> None:
     """One line naming every key that changed since the snapshot; refuse the changes that make a resume wrong."""
     changes = config_changes(saved, cfg.to_dict(redact=True))
     if saved_env.get("train_samples") != train_samples and "train_samples" in saved_env:
@@ -39,8 +49,11 @@ def check_config(cfg: Config, train_samples: int | None, saved: dict[str, Any], 
             f"of the run; {start_fresh_advice(cfg)}, or accept it with "
             f"snapshot.accept_changes=[{','.join(critical)}] — nothing was deleted"
         )
-    log.warning("%s was made with another config; resuming with this run's: %s", where,
-                ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items()))
+    log.warning(
+        "%s was made with another config; resuming with this run's: %s",
+        where,
+        ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items()),
+    )
 
 
 def start_fresh_advice(cfg: Config) -> str:
@@ -54,7 +67,9 @@ def start_fresh_advice(cfg: Config) -> str:
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved value, current value)}`` for every leaf that differs (missing reads as None)."""
     old, new = _flatten(saved), _flatten(current)
-    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
+    return {
+        key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)
+    }
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -88,17 +103,23 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
         for index, (group, saved_group) in enumerate(zip(groups, saved_groups)):
             ours, theirs = set(group) - {"params", "initial_lr"}, set(saved_group) - {"params", "initial_lr"}
             if ours - theirs and theirs - ours:
-                problem = (f"an optimizer with the options {', '.join(sorted(theirs - ours))}" + (f" (group {index})" if index else "")
-                           + f", which this run's {kind} does not have (it has {', '.join(sorted(ours - theirs))})")
+                problem = (
+                    f"an optimizer with the options {', '.join(sorted(theirs - ours))}"
+                    + (f" (group {index})" if index else "")
+                    + f", which this run's {kind} does not have (it has {', '.join(sorted(ours - theirs))})"
+                )
                 break
     if problem is not None:
-        raise SnapshotError(f"{where} was saved with {problem}: its state cannot be loaded; use the optimizer the "
-                            f"snapshot was taken with, or {start_fresh_advice(cfg)} (`elastictrain snapshots export` "
-                            "writes its weights for a new run) — nothing was deleted")
+        raise SnapshotError(
+            f"{where} was saved with {problem}: its state cannot be loaded; use the optimizer the "
+            f"snapshot was taken with, or {start_fresh_advice(cfg)} (`elastictrain snapshots export` "
+            "writes its weights for a new run) — nothing was deleted"
+        )
 
 
-def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str,
-                                    cfg: Config) -> None:
+def warn_on_changed_hyperparameters(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str, cfg: Config
+) -> None:
     """Loading the optimizer state brings the snapshot's lr, betas, ... back: say so when this run set others."""
     differences = []
     for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved.get("param_groups", []))):
@@ -113,9 +134,13 @@ def warn_on_changed_hyperparameters(optimizer: torch.optim.Optimizer, saved: dic
             if _differs(value, before):
                 differences.append(f"{name} {before!r} -> {value!r}" + (f" (group {index})" if index else ""))
     if differences:
-        log.warning("%s: the optimizer's hyperparameters differ from this run's (%s); the snapshot's values are "
-                    "restored with its state — %s to train with the new ones",
-                    where, ", ".join(differences), start_fresh_advice(cfg))
+        log.warning(
+            "%s: the optimizer's hyperparameters differ from this run's (%s); the snapshot's values are "
+            "restored with its state — %s to train with the new ones",
+            where,
+            ", ".join(differences),
+            start_fresh_advice(cfg),
+        )
 
 
 def _differs(a: Any, b: Any) -> bool:

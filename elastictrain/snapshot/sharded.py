@@ -41,8 +41,10 @@ from elastictrain.storage.manifest import ObjectEntry
 SHARDED = "dcp"  # the manifest's meta["sharded"] of a sharded snapshot
 # What DCP's save and load warn every time they run without a process group. A run of one worker has
 # none (elastictrain forms no group for one process), and one process is exactly what it means.
-_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
-                           r"assuming the intent is to (save|load) in a single process")
+_SINGLE_PROCESS_WARNING = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, "
+    r"assuming the intent is to (save|load) in a single process"
+)
 
 
 def _quiet_single_process_warning() -> None:
@@ -73,8 +75,9 @@ class ShardedState:
         writer thread saves while training changes the originals."""
         return self._stager.stage(self._state())
 
-    def save(self, url: str, rank: int, world_size: int, step: int, staged: dict[str, Any] | None = None,
-             group: Any = None) -> dict[str, ObjectEntry]:
+    def save(
+        self, url: str, rank: int, world_size: int, step: int, staged: dict[str, Any] | None = None, group: Any = None
+    ) -> dict[str, ObjectEntry]:
         """Write this rank's shards (the live ones, or ``staged``) under ``url`` (the snapshot's prefix), DCP's
         collectives over ``group`` (default: all ranks'); return this rank's share of the checksums of every file
         written (all ranks' shares together name every file)."""
@@ -82,20 +85,25 @@ class ShardedState:
         try:
             return {name: self.checksum(url, name) for name in [*files, ".metadata"][rank::world_size]}
         except OSError as exc:
-            raise StorageError(f"the sharded snapshot of step {step} could not be read back from {url} "
-                               f"({one_line(exc, 400)}) — the previous snapshot is intact") from None
+            raise StorageError(
+                f"the sharded snapshot of step {step} could not be read back from {url} "
+                f"({one_line(exc, 400)}) — the previous snapshot is intact"
+            ) from None
 
     def write(self, url: str, step: int, staged: dict[str, Any] | None = None, group: Any = None) -> list[str]:
         """Every rank: write this rank's shards under ``url`` (DCP's collective save; the coordinator writes
         ``.metadata``); return the names of every rank's shard files. StorageError on every rank if one failed."""
         _quiet_single_process_warning()
         try:
-            metadata = dcp.save(self._state() if staged is None else staged, storage_writer=self._writer(url),
-                                process_group=group)
+            metadata = dcp.save(
+                self._state() if staged is None else staged, storage_writer=self._writer(url), process_group=group
+            )
             return sorted({info.relative_path for info in metadata.storage_data.values()})
         except (OSError, dcp.api.CheckpointException) as exc:
-            raise StorageError(f"the sharded snapshot of step {step} could not be written to {url} ({one_line(exc, 400)}); "
-                               "check free space and permissions — the previous snapshot is intact") from None
+            raise StorageError(
+                f"the sharded snapshot of step {step} could not be written to {url} ({one_line(exc, 400)}); "
+                "check free space and permissions — the previous snapshot is intact"
+            ) from None
 
     def local_bytes(self) -> int:
         """The bytes of this rank's own shards of the model and optimizers (what its shard files hold, about)."""
@@ -109,20 +117,24 @@ class ShardedState:
         try:
             dcp.load(state, storage_reader=self._reader(url))
         except (OSError, dcp.api.CheckpointException, RuntimeError) as exc:
-            raise SnapshotError(f"{where}: its shards do not load into this model ({one_line(exc, 400)}); resume with the "
-                                "model that took it, or point snapshot.durable.url elsewhere to start fresh") from None
+            raise SnapshotError(
+                f"{where}: its shards do not load into this model ({one_line(exc, 400)}); resume with the "
+                "model that took it, or point snapshot.durable.url elsewhere to start fresh"
+            ) from None
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def _writer(self, url: str) -> Any:
         if is_local_url(url):
             return FileSystemWriter(url, sync_files=True)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
         return FsspecWriter(url, sync_files=True, **self.storage_options)
 
     def _reader(self, url: str) -> Any:
         if is_local_url(url):
             return FileSystemReader(url)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
         return FsspecReader(url, **self.storage_options)
 
     def checksum(self, url: str, name: str) -> ObjectEntry:
@@ -147,4 +159,3 @@ def consolidated_model(url: str, storage_options: dict | None = None) -> dict[st
     reader = ShardedState(nn.Module(), [], storage_options)._reader(url)
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
-

@@ -37,7 +37,9 @@ class ShardedWrites:
         """Every rank, on the training thread: this rank's live shards into the step's prefix; rank 0 returns every
         rank's checksums, the others None. A failure raises StorageError on every rank."""
         error = self._clear_prefix(step)
-        error = broadcast_from_main(error, self.ctx)  # before any rank writes: DCP's first collective (its plan) waits for rank 0 to get there
+        error = broadcast_from_main(
+            error, self.ctx
+        )  # before any rank writes: DCP's first collective (its plan) waits for rank 0 to get there
         if error is not None:
             raise StorageError(error)
         mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step)
@@ -53,7 +55,9 @@ class ShardedWrites:
         failpoints.hit("shards-write", step)  # tests: hold a writer thread before its shards are written
         if error is None:
             try:
-                mine = self.sharded.save(self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step, shards, group)
+                mine = self.sharded.save(
+                    self.store.prefix_url(step), self.ctx.rank, self.ctx.world_size, step, shards, group
+                )
             except StorageError as exc:
                 error = str(exc)
         shares = gather_to_main((mine, error), self.ctx, group=group)
@@ -67,7 +71,9 @@ class ShardedWrites:
     def side_group(self) -> Any:
         """The process group of the writer threads, made at the first background save by every rank's training thread."""
         if self._group is None and self.ctx.distributed:
-            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.ctx.collective_timeout_s))
+            self._group = torch.distributed.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.ctx.collective_timeout_s)
+            )
         return self._group
 
     def _clear_prefix(self, step: int) -> str | None:

@@ -80,9 +80,16 @@ class Snapshotter:
 
     tier = ""  # the name reports carry (SnapshotReport.tier)
 
-    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any],
-                 settings: TierSettings, train_samples: int | None = None,
-                 rank_statefuls: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        statefuls: dict[str, Any],
+        settings: TierSettings,
+        train_samples: int | None = None,
+        rank_statefuls: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg, self.ctx, self.settings = cfg, ctx, settings
         self.keep_last, self.on_error, self.is_writer = settings.keep_last, settings.on_error, settings.is_writer
         self.asynchronous = settings.asynchronous
@@ -91,8 +98,13 @@ class Snapshotter:
         self.train_samples = train_samples  # the data position counts samples: another size is another dataset
         self.model = model  # the unwrapped module: its weights are the model object
         self.statefuls = statefuls
-        self.store = SnapshotStore(settings.url, settings.storage_options, retry_for_s=settings.retry_for_s,
-                                   recycle_keep_last=settings.recycle_keep_last, url_key=settings.url_key)
+        self.store = SnapshotStore(
+            settings.url,
+            settings.storage_options,
+            retry_for_s=settings.retry_for_s,
+            recycle_keep_last=settings.recycle_keep_last,
+            url_key=settings.url_key,
+        )
         self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
         self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
         self._lease: LeaseKeeper | None = None
@@ -100,7 +112,9 @@ class Snapshotter:
         self._writes = BackgroundWrites(self.tier)  # fsdp: on every rank, each writing its shards
         # dist.strategy=fsdp: the model and optimizers are every rank's own shards, written by every rank (sharded.py).
         optimizers = [c for c in statefuls.values() if isinstance(c, torch.optim.Optimizer)]
-        self.sharded = ShardedState(model, optimizers, settings.storage_options) if cfg.dist.strategy == "fsdp" else None
+        self.sharded = (
+            ShardedState(model, optimizers, settings.storage_options) if cfg.dist.strategy == "fsdp" else None
+        )
 
     def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport | None:
         """Take a snapshot of this step on every rank (the tier says how)."""
@@ -116,8 +130,10 @@ class Snapshotter:
 
     def rank_state_now(self) -> dict[str, Any] | None:
         """``rank_state`` at every step (survivor copies): None where reading it would wait for the device."""
-        state = {name: component.peek() if hasattr(component, "peek") else component.state_dict()
-                 for name, component in self.rank_statefuls.items()}
+        state = {
+            name: component.peek() if hasattr(component, "peek") else component.state_dict()
+            for name, component in self.rank_statefuls.items()
+        }
         return None if any(value is None for value in state.values()) else state
 
     # -- asynchronous writes: stage at the step boundary, write in the background ----------
@@ -127,10 +143,15 @@ class Snapshotter:
         refused = self._refused(step)
         if refused is not None:
             return refused
-        staged = self._stager.stage({MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)})
+        staged = self._stager.stage(
+            {MODEL_OBJECT: self.model.state_dict(), STATE_OBJECT: self._state_dict(rank_states)}
+        )
         blocked_s = time.monotonic() - started
         self._writes.start(
-            step, blocked_s, lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()))
+            step,
+            blocked_s,
+            lambda: self._commit(step, staged[MODEL_OBJECT], staged[STATE_OBJECT], meta, time.monotonic()),
+        )
         return PENDING
 
     def _refused(self, step: int) -> CommitOutcome | None:
@@ -161,8 +182,11 @@ class Snapshotter:
         """Every rank, once the vote agreed that rank 0's background write failed: stop with one line."""
         if self._writes.crash is not None:
             raise self._writes.crash  # a bug in the writer keeps its traceback
-        raise StorageError(self._writes.failed or "rank 0's background snapshot write failed for good (its log says why); "
-                           "the next launch resumes from the newest committed snapshot")
+        raise StorageError(
+            self._writes.failed
+            or "rank 0's background snapshot write failed for good (its log says why); "
+            "the next launch resumes from the newest committed snapshot"
+        )
 
     def flush(self) -> list[SnapshotReport]:
         """Every rank, before DONE and PREEMPTED: wait for the background write and agree on its outcome."""
@@ -186,8 +210,15 @@ class Snapshotter:
 
     # -- the commit itself (rank 0) -----------------------------------------------------------
 
-    def _commit(self, step: int, model_state: dict[str, Any] | None, state: dict[str, Any], meta: dict[str, Any],
-                started: float, written: dict | None = None) -> CommitOutcome:
+    def _commit(
+        self,
+        step: int,
+        model_state: dict[str, Any] | None,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        started: float,
+        written: dict | None = None,
+    ) -> CommitOutcome:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
             save_object(state, fileobj)  # torch.save without the zip CRC-32: the store checksums every byte
@@ -211,8 +242,14 @@ class Snapshotter:
             log.warning("snapshot %s committed, but pruning older ones failed: %s", manifest.snapshot_id, exc)
             pruned = []
         size = sum(entry.size for entry in manifest.objects.values())
-        log.info("snapshot %s/%s committed: %d bytes in %.3fs%s", self.store.url, manifest.snapshot_id, size,
-                 time.monotonic() - started, f" (pruned {', '.join(pruned)})" if pruned else "")
+        log.info(
+            "snapshot %s/%s committed: %d bytes in %.3fs%s",
+            self.store.url,
+            manifest.snapshot_id,
+            size,
+            time.monotonic() - started,
+            f" (pruned {', '.join(pruned)})" if pruned else "",
+        )
         if self._behind_since is not None:
             log.info("snapshots caught up at step %d after %.0f s behind", step, time.time() - self._behind_since[1])
             self._behind_since = None
@@ -225,21 +262,34 @@ class Snapshotter:
             last = "no snapshot of this run is committed yet"
         else:
             last_step, last_unix = self.last_committed
-            last = (f"the newest committed one is step {last_step} from {time.strftime('%H:%M:%S', time.localtime(last_unix))}, "
-                    f"{time.time() - last_unix:.0f} s ago")
+            last = (
+                f"the newest committed one is step {last_step} from {time.strftime('%H:%M:%S', time.localtime(last_unix))}, "
+                f"{time.time() - last_unix:.0f} s ago"
+            )
         if stop:
-            return (f"snapshot at step {step} failed: {exc}; stopping (snapshot.durable.on_error=stop); {last}; "
-                    "the next launch resumes from it")
-        log.warning("snapshot at step %d not committed (%s); snapshots are behind since step %d: %s; training goes on "
-                    "and the next snapshot interval tries again", step, exc, self._behind_since[0], last)
+            return (
+                f"snapshot at step {step} failed: {exc}; stopping (snapshot.durable.on_error=stop); {last}; "
+                "the next launch resumes from it"
+            )
+        log.warning(
+            "snapshot at step %d not committed (%s); snapshots are behind since step %d: %s; training goes on "
+            "and the next snapshot interval tries again",
+            step,
+            exc,
+            self._behind_since[0],
+            last,
+        )
         return str(exc)
 
     def _state_dict(self, rank_states: list[dict]) -> dict[str, Any]:
         """Everything but the model weights; the model is its own payload object."""
         return {
             "format_version": FORMAT_VERSION,
-            **{name: (c.state_dict() if c is not None else None) for name, c in self.statefuls.items()
-               if not (self.sharded is not None and isinstance(c, torch.optim.Optimizer))},  # fsdp: in the shards
+            **{
+                name: (c.state_dict() if c is not None else None)
+                for name, c in self.statefuls.items()
+                if not (self.sharded is not None and isinstance(c, torch.optim.Optimizer))
+            },  # fsdp: in the shards
             "rng": [ranks["rng"] for ranks in rank_states],
             "rank_states": {name: [ranks[name] for ranks in rank_states] for name in self.rank_statefuls},
             "config": self.cfg.to_dict(redact=True),
@@ -265,14 +315,28 @@ class DurableTier(Snapshotter):
 
     tier = "durable"
 
-    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any],
-                 train_samples: int | None = None, rank_statefuls: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        statefuls: dict[str, Any],
+        train_samples: int | None = None,
+        rank_statefuls: dict[str, Any] | None = None,
+    ) -> None:
         durable = cfg.snapshot.durable
-        settings = TierSettings(url=cfg.durable_snapshot_url, storage_options=durable.storage_options,
-                                retry_for_s=durable.retry_for_s, keep_last=durable.keep_last, on_error=durable.on_error,
-                                is_writer=ctx.is_main, asynchronous=durable.async_write, recycle_keep_last=0,
-                                # the key that set its URL: a run.dir that cannot be written is fixed in run.dir
-                                url_key="snapshot.durable.url" if durable.url else "run.dir")
+        settings = TierSettings(
+            url=cfg.durable_snapshot_url,
+            storage_options=durable.storage_options,
+            retry_for_s=durable.retry_for_s,
+            keep_last=durable.keep_last,
+            on_error=durable.on_error,
+            is_writer=ctx.is_main,
+            asynchronous=durable.async_write,
+            recycle_keep_last=0,
+            # the key that set its URL: a run.dir that cannot be written is fixed in run.dir
+            url_key="snapshot.durable.url" if durable.url else "run.dir",
+        )
         super().__init__(cfg, ctx, model, statefuls, settings, train_samples, rank_statefuls)
         self._run_id = ""
         # fsdp: every rank writes its shards into the store (sharded_writes.py), rank 0 commits the manifest after them.
@@ -297,6 +361,7 @@ class DurableTier(Snapshotter):
     def _open_store(self) -> str:
         """Rank 0 checks that the durable store is writable, takes its lease and reads the run's id; every rank
         returns the id, or raises rank 0's error."""
+
         def open_on_main() -> str:
             self.store.check_writable()
             self._lease = LeaseKeeper(self.store, self.cfg, self.ctx)
@@ -346,8 +411,9 @@ class DurableTier(Snapshotter):
             return None
         return outcome.report(step, time.monotonic() - started, self.tier)
 
-    def _start_shard_write(self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float,
-                           shards: dict) -> CommitOutcome:
+    def _start_shard_write(
+        self, step: int, rank_states: list[dict], meta: dict[str, Any], started: float, shards: dict
+    ) -> CommitOutcome:
         """fsdp with async_write, rank 0: its staged shards and the staged state written in a thread, the manifest
         committed after every rank's shards."""
         refused = self._refused(step)
@@ -358,7 +424,9 @@ class DurableTier(Snapshotter):
         self._writes.start(step, blocked_s, lambda: self._commit_behind(step, shards, state, meta))
         return PENDING
 
-    def _commit_behind(self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None) -> CommitOutcome:
+    def _commit_behind(
+        self, step: int, shards: dict, state: dict | None = None, meta: dict | None = None
+    ) -> CommitOutcome:
         """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
         commits the manifest last, once every rank's shards are written."""
         assert self.shard_writes is not None  # fsdp's durable tier
@@ -370,4 +438,3 @@ class DurableTier(Snapshotter):
             return CommitOutcome(error=self._fell_behind(step, StorageError(error), stop), stop=stop)
         assert state is not None and meta is not None  # rank 0 passes them
         return self._commit(step, None, state, meta, time.monotonic(), written)
-

@@ -78,8 +78,9 @@ class Stager:
             return source.to("cpu", copy=True)
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                 pin_memory=source.device.type == "cuda")
+            buffer = torch.empty(
+                source.shape, dtype=source.dtype, device="cpu", pin_memory=source.device.type == "cuda"
+            )
             self._buffers[path] = buffer
         self._used.add(path)
         buffer.copy_(source, non_blocking=source.device.type == "cuda")

@@ -107,7 +107,7 @@ class StepSlots:
             if len(data) < _HEADER.size:
                 continue
             sequence, length, crc = _HEADER.unpack_from(data)
-            payload = data[_HEADER.size:_HEADER.size + length]
+            payload = data[_HEADER.size : _HEADER.size + length]
             if len(payload) != length or zlib.crc32(payload) != crc:
                 continue  # torn by a kill in the middle of its write
             found.append((sequence, pickle.loads(payload)))
@@ -138,8 +138,15 @@ class StepSlots:
 class SurvivorCopies:
     """Marks each step's per-rank state on every rank; after a peer is lost, writes that step's fast copy."""
 
-    def __init__(self, fast: LocalTier, world_size: int, round_id: str, progress: Progress, history: History,
-                 rank_state: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(
+        self,
+        fast: LocalTier,
+        world_size: int,
+        round_id: str,
+        progress: Progress,
+        history: History,
+        rank_state: Callable[[], dict[str, Any] | None],
+    ) -> None:
         self.fast = fast
         self.progress = progress  # replicated: the step every slot must name
         self.history = history  # replicated: the metric sums in the slots go with this many records
@@ -150,7 +157,9 @@ class SurvivorCopies:
         self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
 
     @staticmethod
-    def applies(fast: LocalTier | None, model: torch.nn.Module, world_size: int, local_world_size: int | None) -> str | None:
+    def applies(
+        fast: LocalTier | None, model: torch.nn.Module, world_size: int, local_world_size: int | None
+    ) -> str | None:
         """None when survivor copies can work here, else why not (logged once by the caller)."""
         if fast is None:
             return "there is no fast tier (snapshot.local.url)"
@@ -180,9 +189,15 @@ class SurvivorCopies:
         Written before a step's last backward (``step`` is then the one that step completes: nothing
         per rank changes in between), and after a metric reduce.
         """
-        self.slots.write({"step": self.progress.global_step if step is None else step,
-                          "records": len(self.history.records), "round": self.round_id, "rng": capture_rng_compact(device),
-                          "rank_state": self.rank_state()})
+        self.slots.write(
+            {
+                "step": self.progress.global_step if step is None else step,
+                "records": len(self.history.records),
+                "round": self.round_id,
+                "rng": capture_rng_compact(device),
+                "rank_state": self.rank_state(),
+            }
+        )
 
     def write(self, complete: Callable[[], None], meta: dict[str, Any]) -> int | None:
         """A peer was lost while training: write this step's copy if this rank is the node's lowest survivor and
@@ -193,22 +208,36 @@ class SurvivorCopies:
         step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records), self.round_id)
         own = self.slots.read(self.slots.rank, want=live)
         if own is None or (own["step"], own["records"], own["round"]) != live:
-            log.info("no survivor copy: this rank is at step %d with %d metric records, its slot at %s", step, live[1],
-                     (own["step"], own["records"]) if own else None)
+            log.info(
+                "no survivor copy: this rank is at step %d with %d metric records, its slot at %s",
+                step,
+                live[1],
+                (own["step"], own["records"]) if own else None,
+            )
             return None
         if not self.slots.lowest_alive():
             return None  # a lower local rank survived: it writes
-        records = [own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in range(self.world_size)]
+        records = [
+            own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in range(self.world_size)
+        ]
         others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in enumerate(records)}
         differ = {rank: seen for rank, seen in others.items() if seen != live}
         if differ:
-            log.info("no survivor copy of step %d: the slots of rank(s) %s name %s (step, metric records, round) "
-                     "instead; the restart reads the newest fast copy", step, ",".join(map(str, differ)),
-                     ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()))
+            log.info(
+                "no survivor copy of step %d: the slots of rank(s) %s name %s (step, metric records, round) "
+                "instead; the restart reads the newest fast copy",
+                step,
+                ",".join(map(str, differ)),
+                ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()),
+            )
             return None
         if any(r is None or r["rank_state"] is None for r in records):
-            log.info("no survivor copy of step %d: the metric sums on %s are not read at every step; the restart "
-                     "reads the newest fast copy", step, self.fast.ctx.device.type)
+            log.info(
+                "no survivor copy of step %d: the metric sums on %s are not read at every step; the restart "
+                "reads the newest fast copy",
+                step,
+                self.fast.ctx.device.type,
+            )
             return None
         complete()
         rank_states = [{"rng": rng_from_compact(r["rng"]), **r["rank_state"]} for r in records if r is not None]
@@ -218,7 +247,10 @@ class SurvivorCopies:
             return step
         if not report.committed:
             return None  # _commit said why in a warning
-        log.warning("survivor copy of step %d written to %s in %.3f s: the restart redoes only the step that was cut "
-                    "short", step, self.fast.url, report.duration_s)
+        log.warning(
+            "survivor copy of step %d written to %s in %.3f s: the restart redoes only the step that was cut short",
+            step,
+            self.fast.url,
+            report.duration_s,
+        )
         return step
-

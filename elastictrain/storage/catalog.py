@@ -58,7 +58,7 @@ class Catalog:
             path = client.fs._strip_protocol(path)
             if not path.startswith(root):
                 continue
-            snapshot_id, sep, rest = path[len(root):].partition("/")
+            snapshot_id, sep, rest = path[len(root) :].partition("/")
             if sep and rest and SNAPSHOT_ID.match(snapshot_id):
                 sizes.setdefault(snapshot_id, {})[rest] = info.get("size")
         return sizes
@@ -106,9 +106,14 @@ class Catalog:
                 if problem is not None:
                     raise SnapshotError(f"{corrupt}: object '{name}' {problem}")
                 payload[name] = data
-            log.info("read snapshot %s: %d bytes in %.3f s, verified (%s) in %.3f s", where,
-                     sum(len(data) for data in payload.values()), read_s,
-                     ", ".join(sorted({entry.algorithm for entry in manifest.objects.values()})), verify_s)
+            log.info(
+                "read snapshot %s: %d bytes in %.3f s, verified (%s) in %.3f s",
+                where,
+                sum(len(data) for data in payload.values()),
+                read_s,
+                ", ".join(sorted({entry.algorithm for entry in manifest.objects.values()})),
+                verify_s,
+            )
             return manifest, payload
 
     def latest_valid(self, newer_than: int = -1) -> tuple[Manifest, dict[str, bytes]] | None:
@@ -144,9 +149,15 @@ class Catalog:
         with client.operation(f"cannot prune {client.url}", "check permissions of {key}"):
             listings = self.list_snapshots()
             sizes = self.object_sizes()
-            committed = [listing for listing in listings if listing.manifest is not None and all(
-                sizes.get(listing.snapshot_id, {}).get(name) == entry.size
-                for name, entry in listing.manifest.objects.items())]
+            committed = [
+                listing
+                for listing in listings
+                if listing.manifest is not None
+                and all(
+                    sizes.get(listing.snapshot_id, {}).get(name) == entry.size
+                    for name, entry in listing.manifest.objects.items()
+                )
+            ]
             if not committed:
                 return []
             oldest_kept_step = committed[-keep_last:][0].step

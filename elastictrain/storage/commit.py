@@ -114,8 +114,9 @@ class Committer:
         self.recycle_keep_last = recycle_keep_last
         self.last_timings: CommitTimings | None = None
 
-    def commit(self, step: int, writers: dict[str, Writer], meta: dict,
-               written: dict[str, ObjectEntry] | None = None) -> Manifest:
+    def commit(
+        self, step: int, writers: dict[str, Writer], meta: dict, written: dict[str, ObjectEntry] | None = None
+    ) -> Manifest:
         """Write every writer's object for `step`, then the manifest that makes it exist, listing ``written`` too
         (objects the ranks already wrote under the prefix: a sharded snapshot's, sharded.py)."""
         for name in writers:
@@ -144,12 +145,16 @@ class Committer:
                 if client.is_local:
                     objects = self._write_local_payload(snapshot_id, writers, timings)
                 else:
-                    objects = {name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)}
+                    objects = {
+                        name: self._write_object(snapshot_id, name, writers[name], timings) for name in sorted(writers)
+                    }
                 objects = {**(written or {}), **objects}
                 manifest = Manifest(snapshot_id, step, time.time(), objects, meta)
                 manifest_bytes = manifest.to_json()
                 manifest_started = time.perf_counter()
-                self._write_object(snapshot_id, MANIFEST_NAME, lambda handle: handle.write(manifest_bytes), CommitTimings())
+                self._write_object(
+                    snapshot_id, MANIFEST_NAME, lambda handle: handle.write(manifest_bytes), CommitTimings()
+                )
                 timings.manifest_s = time.perf_counter() - manifest_started
                 timings.total_s = time.perf_counter() - started
                 timings.size_bytes = sum(entry.size for entry in objects.values())
@@ -174,7 +179,9 @@ class Committer:
         os.rename(victim, prefix)
         return True
 
-    def _write_local_payload(self, snapshot_id: str, writers: dict[str, Writer], timings: CommitTimings) -> dict[str, ObjectEntry]:
+    def _write_local_payload(
+        self, snapshot_id: str, writers: dict[str, Writer], timings: CommitTimings
+    ) -> dict[str, ObjectEntry]:
         """Write each payload object under its final name in the prefix; all durable when this returns.
 
         No temporary name and no rename: the prefix has no manifest yet, so readers treat whatever
@@ -254,8 +261,11 @@ class Committer:
             if client.is_s3:
                 client.delete_marker(snapshot_id, limit_s=limit_s)
         except Exception as exc:  # the commit's own error is what the caller needs to see
-            log.warning("could not remove the partial snapshot %s (%s); a later prune deletes it",
-                        where, client.scrub(one_line(exc)))
+            log.warning(
+                "could not remove the partial snapshot %s (%s); a later prune deletes it",
+                where,
+                client.scrub(one_line(exc)),
+            )
 
     def _disk_full_error(self, where: str, writers: dict[str, Writer]) -> StorageError:
         needed = 0

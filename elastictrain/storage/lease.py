@@ -88,8 +88,12 @@ class StoreLease:
                 stale_because = self._stale_because(current, stale_after_s)
                 if stale_because is None:
                     raise StoreLeaseError(self._held_message(current, stale_after_s))
-                log.warning("taking over the stale lease of snapshot store %s from run %s (%s)",
-                            self.client.url, current.get("run_id"), stale_because)
+                log.warning(
+                    "taking over the stale lease of snapshot store %s from run %s (%s)",
+                    self.client.url,
+                    current.get("run_id"),
+                    stale_because,
+                )
             record = {name: owner[name] for name in ("run_id", "token", "host", "pid", "started_unix")}
             record["renewed_unix"] = time.time()
             self._write(record)

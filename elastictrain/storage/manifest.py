@@ -88,9 +88,12 @@ class Manifest:
                 snapshot_id=str(document["snapshot_id"]),
                 step=int(document["step"]),
                 created_unix=float(document["created_unix"]),
-                objects={str(name): ObjectEntry(size=int(entry["size"]), algorithm=str(entry["algorithm"]),
-                                                digest=str(entry["digest"]))
-                         for name, entry in document["objects"].items()},
+                objects={
+                    str(name): ObjectEntry(
+                        size=int(entry["size"]), algorithm=str(entry["algorithm"]), digest=str(entry["digest"])
+                    )
+                    for name, entry in document["objects"].items()
+                },
                 meta=dict(document["meta"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -32,8 +32,15 @@ class SnapshotStore:
     store's failures (``store_client.py``).
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 recycle_keep_last: int = 0, url_key: str = "snapshot.durable.url"):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict | None = None,
+        *,
+        retry_for_s: float = 20.0,
+        recycle_keep_last: int = 0,
+        url_key: str = "snapshot.durable.url",
+    ):
         self.client = StoreClient(url, storage_options, retry_for_s=retry_for_s, url_key=url_key)
         self.catalog = Catalog(self.client)
         self.committer = Committer(self.client, self.catalog, recycle_keep_last)
@@ -71,8 +78,9 @@ class SnapshotStore:
         """Write, read back and delete a probe object; StorageError if the store refuses, within bounded time."""
         self.client.check_writable()
 
-    def commit(self, step: int, writers: dict[str, Writer], meta: dict,
-               written: dict[str, ObjectEntry] | None = None) -> Manifest:
+    def commit(
+        self, step: int, writers: dict[str, Writer], meta: dict, written: dict[str, ObjectEntry] | None = None
+    ) -> Manifest:
         """Write every writer's object for `step`, then the manifest that makes it exist (listing ``written`` too:
         objects other processes already wrote under the prefix, after ``clear_prefix``)."""
         return self.committer.commit(step, writers, meta, written)

@@ -66,14 +66,24 @@ _BACKOFF_INITIAL_S, _BACKOFF_MAX_S = 0.2, 4.0
 class StoreClient:
     """Calls on one fsspec URL: each public operation one retry budget, its failures one line naming the store."""
 
-    def __init__(self, url: str, storage_options: dict | None = None, *, retry_for_s: float = 20.0,
-                 url_key: str = "snapshot.durable.url"):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict | None = None,
+        *,
+        retry_for_s: float = 20.0,
+        url_key: str = "snapshot.durable.url",
+    ):
         self.url = url
         self.url_key = url_key  # the config key that set the URL: messages tell the user to change that one
         self.retry_for_s = float(retry_for_s)
         self._secrets = secret_values(storage_options or {})
         self.is_s3 = url.split("://", 1)[0].lower() in ("s3", "s3a") if "://" in url else False
-        options = s3_options_with_bounded_time(storage_options, self.retry_for_s) if self.is_s3 else dict(storage_options or {})
+        options = (
+            s3_options_with_bounded_time(storage_options, self.retry_for_s)
+            if self.is_s3
+            else dict(storage_options or {})
+        )
         self.options = options  # what opened the filesystem, for readers of our own (sharded.py's DCP reader)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **options)
@@ -84,8 +94,9 @@ class StoreClient:
                 "for s3:// run pip install 'elastictrain[s3]'"
             ) from None
         except (ValueError, TypeError) as exc:
-            raise StorageError(f"{url_key}={url!r} cannot be opened ({self.scrub(one_line(exc))}); "
-                               f"{CHECK_STORE.format(key=url_key)}") from None
+            raise StorageError(
+                f"{url_key}={url!r} cannot be opened ({self.scrub(one_line(exc))}); {CHECK_STORE.format(key=url_key)}"
+            ) from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_async = isinstance(self.fs, fsspec.asyn.AsyncFileSystem)
         self.attempt_limit_s: float | None = None
@@ -94,10 +105,15 @@ class StoreClient:
             config = options["config_kwargs"]
             self.attempt_limit_s = float(config["connect_timeout"]) + float(config["read_timeout"])
             self.bucket, _, self.key_prefix = self.root.strip("/").partition("/")
-        self._endpoint = self.scrub(str(
-            options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
-        ))
+        self._endpoint = self.scrub(
+            str(
+                options.get("endpoint_url")
+                or (options.get("client_kwargs") or {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+                or "the default AWS endpoint"
+            )
+        )
         self._operation_state = threading.local()  # the deadline of the public call running in this thread
 
     # -- paths and messages ---------------------------------------------------------------------
@@ -137,7 +153,9 @@ class StoreClient:
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise
-            raise self._translate(exc, failure, advice.format(key=self.url_key), time.monotonic() - state.started) from None
+            raise self._translate(
+                exc, failure, advice.format(key=self.url_key), time.monotonic() - state.started
+            ) from None
         finally:
             state.deadline = None
 
@@ -196,13 +214,18 @@ class StoreClient:
         limit_s = None
         if self.attempt_limit_s is not None:
             limit_s = self.attempt_limit_s + upload_bytes / _MIN_UPLOAD_BYTES_PER_S
-        backoff = tenacity.wait_exponential(multiplier=_BACKOFF_INITIAL_S, max=_BACKOFF_MAX_S) + tenacity.wait_random(0, _BACKOFF_INITIAL_S)
+        backoff = tenacity.wait_exponential(multiplier=_BACKOFF_INITIAL_S, max=_BACKOFF_MAX_S) + tenacity.wait_random(
+            0, _BACKOFF_INITIAL_S
+        )
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_unavailable),
             stop=lambda retry_state: time.monotonic() >= deadline,
             wait=lambda retry_state: max(0.0, min(backoff(retry_state), deadline - time.monotonic())),
             before_sleep=lambda retry_state: log.debug(
-                "%s on %s did not answer (attempt %d: %s); retrying", method, self.url, retry_state.attempt_number,
+                "%s on %s did not answer (attempt %d: %s); retrying",
+                method,
+                self.url,
+                retry_state.attempt_number,
                 self.scrub(_failed_attempt(retry_state)),
             ),
             reraise=True,
@@ -229,7 +252,9 @@ class StoreClient:
                 self.call("makedirs", self.root, exist_ok=True)
             self.call("pipe_file", probe, payload)
             if self.call("cat_file", probe) != payload:
-                raise StorageError(f"snapshot store {self.url} is not writable: the probe object read back different bytes")
+                raise StorageError(
+                    f"snapshot store {self.url} is not writable: the probe object read back different bytes"
+                )
             self.call("rm", probe)
 
     def delete_marker(self, snapshot_id: str, limit_s: float | None = None) -> None:

@@ -22,23 +22,48 @@ S3_READ_TIMEOUT_S = 20.0
 
 # Error codes of an S3 response that mean "the store is overloaded or briefly broken".
 _UNAVAILABLE_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
-    "RequestTimeout", "ServiceUnavailable", "InternalError", "503", "500", "502", "504",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "ServiceUnavailable",
+    "InternalError",
+    "503",
+    "500",
+    "502",
+    "504",
 }
 CREDENTIAL_CODES = {
-    "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "InvalidSecurity",
-    "InvalidClientTokenId", "UnrecognizedClientException", "AuthorizationHeaderMalformed",
+    "SignatureDoesNotMatch",
+    "InvalidAccessKeyId",
+    "InvalidToken",
+    "ExpiredToken",
+    "InvalidSecurity",
+    "InvalidClientTokenId",
+    "UnrecognizedClientException",
+    "AuthorizationHeaderMalformed",
 }
 _UNAVAILABLE_ERRNOS = {
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-    errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE,
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EPIPE,
 }
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # Exception types by module: the network stack's own errors that mean "no answer".
 _UNAVAILABLE_TYPES = {
-    ("botocore.exceptions", "EndpointConnectionError"), ("botocore.exceptions", "ConnectTimeoutError"),
-    ("botocore.exceptions", "ReadTimeoutError"), ("botocore.exceptions", "ConnectionClosedError"),
-    ("botocore.exceptions", "HTTPClientError"), ("botocore.exceptions", "ResponseStreamingError"),
+    ("botocore.exceptions", "EndpointConnectionError"),
+    ("botocore.exceptions", "ConnectTimeoutError"),
+    ("botocore.exceptions", "ReadTimeoutError"),
+    ("botocore.exceptions", "ConnectionClosedError"),
+    ("botocore.exceptions", "HTTPClientError"),
+    ("botocore.exceptions", "ResponseStreamingError"),
     ("fsspec.exceptions", "FSTimeoutError"),
 }
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "fsspec", "gcsfs", "adlfs", "requests")
@@ -87,8 +112,14 @@ def is_unavailable(exc: BaseException) -> bool:
         if is_type(item, _UNAVAILABLE_TYPES) or isinstance(item, (TimeoutError, ConnectionError)):
             return True
         if type(item).__module__.startswith("aiohttp") and type(item).__name__ in (
-            "ClientConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-            "ServerTimeoutError", "ClientPayloadError", "ConnectionTimeoutError", "SocketTimeoutError",
+            "ClientConnectionError",
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ClientOSError",
+            "ServerTimeoutError",
+            "ClientPayloadError",
+            "ConnectionTimeoutError",
+            "SocketTimeoutError",
         ):
             return True
         if isinstance(item, OSError) and item.errno in _UNAVAILABLE_ERRNOS:

@@ -32,13 +32,17 @@ class CallOrder:
     def in_setup(self, call: str, why: str = "") -> None:
         self.context(f"session.{call}()")
         if self.machine.state is not State.SETUP:
-            raise UsageError(f"session.{call}() after session.restore(): {why or 'set the session up before restoring'}")
+            raise UsageError(
+                f"session.{call}() after session.restore(): {why or 'set the session up before restoring'}"
+            )
 
     def training(self, call: str) -> None:
         self.context(f"session.{call}()")
         if self.machine.state is State.SETUP:
-            raise UsageError(f"session.{call}() before session.restore(): restore first (a fresh start when there is "
-                             "no snapshot), so that training continues from the newest snapshot")
+            raise UsageError(
+                f"session.{call}() before session.restore(): restore first (a fresh start when there is "
+                "no snapshot), so that training continues from the newest snapshot"
+            )
 
     def loader_finished(self) -> bool:
         """For the loader: whether the run is done (and a UsageError when iterated after the block)."""

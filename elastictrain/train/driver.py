@@ -39,10 +39,23 @@ log = logging.getLogger("elastictrain")
 class StepDriver:
     """Carries the run from one optimizer step to the next (TRAIN and the states after it), on every rank alike."""
 
-    def __init__(self, restored: Restored, *, ctx: dist.DistContext, state: RunState, machine: StateMachine,
-                 events: Observers, health: Health, metrics: TrainMetrics, registry: Registry, data: TrainData | None,
-                 train: TrainConfig, evaluate: Callable[[], dict[str, float]] | None,
-                 epoch_end: list[Callable[[], None]], started: float) -> None:
+    def __init__(
+        self,
+        restored: Restored,
+        *,
+        ctx: dist.DistContext,
+        state: RunState,
+        machine: StateMachine,
+        events: Observers,
+        health: Health,
+        metrics: TrainMetrics,
+        registry: Registry,
+        data: TrainData | None,
+        train: TrainConfig,
+        evaluate: Callable[[], dict[str, float]] | None,
+        epoch_end: list[Callable[[], None]],
+        started: float,
+    ) -> None:
         self.ctx, self.state, self.machine, self.events = ctx, state, machine, events
         self.tiers, self.plan, self.model, self.shard = restored.tiers, restored.plan, restored.model, restored.shard
         self.health, self.anomalies = health, health.anomalies
@@ -146,8 +159,12 @@ class StepDriver:
                 return
             if state is State.PREEMPTED:
                 raise Preempted(self.health.signals.requested or "signal", self.global_step)
-            state = {State.EVALUATE: self._evaluate_now, State.SNAPSHOT: self._snapshot,
-                     State.LOCAL_SNAPSHOT: self._local_snapshot, State.ROLLBACK: self._rollback}[state]()
+            state = {
+                State.EVALUATE: self._evaluate_now,
+                State.SNAPSHOT: self._snapshot,
+                State.LOCAL_SNAPSHOT: self._local_snapshot,
+                State.ROLLBACK: self._rollback,
+            }[state]()
 
     def next_state(self, requests: Requests) -> State:
         if requests.preempt:  # recorded before the preemption snapshot: the next attempt reads this one as no failure
@@ -164,8 +181,12 @@ class StepDriver:
         progress = self.state.progress
         progress.last_evaluated_step = progress.global_step
         self.state.history.append(step=progress.global_step, epoch=progress.epoch, **record)
-        log.info("evaluated at step %d (epoch %d): %s", progress.global_step, progress.epoch,
-                 " ".join(f"{k}={v:.4g}" for k, v in record.items()))
+        log.info(
+            "evaluated at step %d (epoch %d): %s",
+            progress.global_step,
+            progress.epoch,
+            " ".join(f"{k}={v:.4g}" for k, v in record.items()),
+        )
         self.events.evaluated(progress.global_step, progress.epoch, record)
         return self.settled_state()
 
@@ -211,8 +232,9 @@ class StepDriver:
 
     def write_survivor_copy(self, rank_label: str) -> None:
         """A peer is lost in TRAIN: this rank's survivor copy of the last step every rank finished."""
-        self.tiers.write_survivor_copy(self.meta(), rank_label, time.monotonic() - self.started, self.registry,
-                                       self.marks_ahead)
+        self.tiers.write_survivor_copy(
+            self.meta(), rank_label, time.monotonic() - self.started, self.registry, self.marks_ahead
+        )
 
     # -- hooks on the transitions out of the run --------------------------------------------------
 
@@ -221,6 +243,12 @@ class StepDriver:
         self.health.preempted(step, self.tiers.last_committed)
 
     def summarize(self, src: State, dst: State, step: int) -> None:
-        self.summary = summarize(dst.name, self.state, self.model, self.ctx.world_size, self.ctx.env.restart_count,
-                                 time.monotonic() - self.started)
+        self.summary = summarize(
+            dst.name,
+            self.state,
+            self.model,
+            self.ctx.world_size,
+            self.ctx.env.restart_count,
+            time.monotonic() - self.started,
+        )
         log.info("%s", self.summary.line())

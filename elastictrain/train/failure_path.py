@@ -26,8 +26,16 @@ class FailurePath:
         self.cfg, self.machine, self.health, self.events = cfg, machine, health, events
         self.peer_lost = False
 
-    def leave(self, exc: BaseException | None, *, rank_label: str, step: int, ctx: dist.DistContext | None,
-              tiers: SnapshotTiers | None, survivor_copy: Callable[[], None] | None) -> BaseException | None:
+    def leave(
+        self,
+        exc: BaseException | None,
+        *,
+        rank_label: str,
+        step: int,
+        ctx: dist.DistContext | None,
+        tiers: SnapshotTiers | None,
+        survivor_copy: Callable[[], None] | None,
+    ) -> BaseException | None:
         """``survivor_copy``: writes this rank's copy of the last step every rank finished (None before TRAIN)."""
         replacement = None
         try:
@@ -46,8 +54,14 @@ class FailurePath:
                 dist.teardown(ctx)
         return replacement
 
-    def _fail(self, exc: BaseException, rank_label: str, step: int, ctx: dist.DistContext | None,
-              survivor_copy: Callable[[], None] | None) -> BaseException | None:
+    def _fail(
+        self,
+        exc: BaseException,
+        rank_label: str,
+        step: int,
+        ctx: dist.DistContext | None,
+        survivor_copy: Callable[[], None] | None,
+    ) -> BaseException | None:
         """Say in one line why this rank stopped (failures.py) and go to FAILED."""
         state = self.machine.state
         replacement = report_failure(exc, rank_label, state.name, step, ctx, self.cfg.preempt.requeue)

@@ -56,9 +56,13 @@ class Health:
         anomaly waiting for its rollback."""
         self.announce(step)
         tiers.poll()
-        return Requests(preempt=self.signals.requested is not None, snapshot=tiers.durable_due(),
-                        snapshot_failed=tiers.write_failed(), local_snapshot=tiers.local_due(),
-                        anomaly=self.anomalies.pending is not None)
+        return Requests(
+            preempt=self.signals.requested is not None,
+            snapshot=tiers.durable_due(),
+            snapshot_failed=tiers.write_failed(),
+            local_snapshot=tiers.local_due(),
+            anomaly=self.anomalies.pending is not None,
+        )
 
     def post(self, tiers: SnapshotTiers, step: int) -> Requests:
         """At a step boundary: what the ranks agreed at the previous vote; this rank's requests travel meanwhile."""
@@ -75,23 +79,41 @@ class Health:
         if self.signals.requested is None or self._announced:
             return
         self._announced = True
-        log.warning("rank %d received %s at step %d: every rank stops at the next agreed step, snapshots it and exits %d",
-                    self.ctx.rank, self.signals.requested, step, PREEMPTED_EXIT_CODE)
+        log.warning(
+            "rank %d received %s at step %d: every rank stops at the next agreed step, snapshots it and exits %d",
+            self.ctx.rank,
+            self.signals.requested,
+            step,
+            PREEMPTED_EXIT_CODE,
+        )
         self.events.preempt_requested(self.signals.requested, step)
 
     def preempted(self, step: int, last_committed: tuple[int, float] | None) -> None:
         """PREEMPTED: one line on rank 0 saying what the next launch resumes from; SLURM requeue if asked."""
         if self.signals.repeats:
-            log.warning("rank %d: %d more signal(s) arrived while stopping; the snapshot was not interrupted",
-                        self.ctx.rank, self.signals.repeats)
+            log.warning(
+                "rank %d: %d more signal(s) arrived while stopping; the snapshot was not interrupted",
+                self.ctx.rank,
+                self.signals.repeats,
+            )
         if not self.ctx.is_main:
             return
         if last_committed is not None and last_committed[0] == step:
-            log.warning("preempted at step %d: snapshot committed, exiting with code %d; the same command resumes "
-                        "from step %d with nothing lost", step, PREEMPTED_EXIT_CODE, step)
+            log.warning(
+                "preempted at step %d: snapshot committed, exiting with code %d; the same command resumes "
+                "from step %d with nothing lost",
+                step,
+                PREEMPTED_EXIT_CODE,
+                step,
+            )
         else:
             resume_step = last_committed[0] if last_committed is not None else 0
-            log.error("preempted at step %d, but its snapshot could not be committed; the next launch resumes "
-                      "from step %d (%d steps lost)", step, resume_step, step - resume_step)
+            log.error(
+                "preempted at step %d, but its snapshot could not be committed; the next launch resumes "
+                "from step %d (%d steps lost)",
+                step,
+                resume_step,
+                step - resume_step,
+            )
         if self.cfg.preempt.requeue:
             requeue_slurm_job()

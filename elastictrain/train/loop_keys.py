@@ -33,8 +33,10 @@ def unused_keys(values: dict[str, Any], defaults: dict[str, Any], asked: set[str
     for key, (through, when) in ASKED_THROUGH.items():
         if when != moment or key in asked or values[key] == defaults[key]:
             continue
-        lines.append(f"{key}={values[key]} does nothing in this loop: only {through} applies it, and this loop did "
-                     f"not call it by its {moment}; {_HOW[key]}, or leave the key at its default ({defaults[key]})")
+        lines.append(
+            f"{key}={values[key]} does nothing in this loop: only {through} applies it, and this loop did "
+            f"not call it by its {moment}; {_HOW[key]}, or leave the key at its default ({defaults[key]})"
+        )
     return lines
 
 
@@ -64,7 +66,9 @@ def _values(cfg: Any) -> dict[str, Any]:
     return {"data.val_batch_size": cfg.data.val_batch_size, "train.autocast_dtype": cfg.train.autocast_dtype}
 
 
-def validation_loader(dataset: Dataset, collate_fn: Callable | None, rank: int, world_size: int, cfg: Any) -> DataLoader:
+def validation_loader(
+    dataset: Dataset, collate_fn: Callable | None, rank: int, world_size: int, cfg: Any
+) -> DataLoader:
     """This rank's share of ``dataset`` (every sample once over all ranks) in batches of ``data.val_batch_size``."""
     sampler = EvalBatchSampler(samples_in(dataset), rank, world_size, cfg.data.val_batch_size)
     return make_loader(dataset, sampler, cfg.data.num_workers, cfg.run.seed, collate_fn, seed_in_process=False)

@@ -32,8 +32,15 @@ class Plan:
     def of(cls, cfg: Config, *, epochs: bool, evaluates: bool, fast_tier: bool) -> Plan:
         """A run without data (``epochs`` False) has no epochs to end it: train.max_steps does."""
         train, snapshot = cfg.train, cfg.snapshot
-        return cls(train.max_epochs if epochs else 2**62, train.max_steps, train.eval_every_epochs, evaluates,
-                   snapshot.durable.every_steps, snapshot.durable.on_done, snapshot.local.every_steps if fast_tier else 0)
+        return cls(
+            train.max_epochs if epochs else 2**62,
+            train.max_steps,
+            train.eval_every_epochs,
+            evaluates,
+            snapshot.durable.every_steps,
+            snapshot.durable.on_done,
+            snapshot.local.every_steps if fast_tier else 0,
+        )
 
 
 def run_finished(progress: Progress, plan: Plan) -> bool:
@@ -63,15 +70,24 @@ def decide(progress: Progress, plan: Plan, requests: Requests = Requests()) -> S
         return State.EVALUATE
     snapshot_due = not snapshot_taken and (
         (requests.snapshot and progress.global_step > 0)  # a fresh start at step 0 needs no snapshot
-        or (plan.snapshot_every_steps > 0 and progress.global_step % plan.snapshot_every_steps == 0 and progress.global_step > 0)
+        or (
+            plan.snapshot_every_steps > 0
+            and progress.global_step % plan.snapshot_every_steps == 0
+            and progress.global_step > 0
+        )
         or (finished and plan.snapshot_on_done)
     )
     if snapshot_due:
         return State.SNAPSHOT
     local_due = (
-        not finished and progress.global_step > 0 and not snapshot_taken
+        not finished
+        and progress.global_step > 0
+        and not snapshot_taken
         and progress.last_local_snapshot_step != progress.global_step
-        and (requests.local_snapshot or (plan.local_every_steps > 0 and progress.global_step % plan.local_every_steps == 0))
+        and (
+            requests.local_snapshot
+            or (plan.local_every_steps > 0 and progress.global_step % plan.local_every_steps == 0)
+        )
     )
     if local_due:
         return State.LOCAL_SNAPSHOT

@@ -33,10 +33,13 @@ class Registry:
         if name in RESERVED_NAMES or name in self.objects:
             taken = "elastictrain's own state" if name in RESERVED_NAMES else "registered already"
             raise UsageError(f"session.register({name}=...): the name {name!r} is {taken}; choose another name")
-        if value is not None and not (callable(getattr(value, "state_dict", None))
-                                      and callable(getattr(value, "load_state_dict", None))):
-            raise UsageError(f"session.register({name}=...): a {type(value).__name__} has no state_dict() and "
-                             "load_state_dict(); register objects that do (models, optimizers, schedulers, ...)")
+        if value is not None and not (
+            callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+        ):
+            raise UsageError(
+                f"session.register({name}=...): a {type(value).__name__} has no state_dict() and "
+                "load_state_dict(); register objects that do (models, optimizers, schedulers, ...)"
+            )
         if isinstance(value, torch.optim.Optimizer):
             fsdp.rebind(value, self.replaced)
             value.register_step_post_hook(self._optimizer_stepped)
@@ -46,12 +49,16 @@ class Registry:
         """The weights of every snapshot: the one registered model, or a ModuleDict of several."""
         modules = {name: m for name, m in self.objects.items() if isinstance(m, nn.Module)}
         if not modules:
-            raise UsageError("session.restore() with no model registered: session.register(model=model) first, "
-                             "or the snapshots would hold no weights")
+            raise UsageError(
+                "session.restore() with no model registered: session.register(model=model) first, "
+                "or the snapshots would hold no weights"
+            )
         for wrapped in self.wrapped:
             if not any(wrapped is m for m in modules.values()):
-                raise UsageError(f"a {type(wrapped).__name__} wrapped by session.wrap() is not registered: "
-                                 "session.register(name=model), or its weights would not be in the snapshots")
+                raise UsageError(
+                    f"a {type(wrapped).__name__} wrapped by session.wrap() is not registered: "
+                    "session.register(name=model), or its weights would not be in the snapshots"
+                )
         return next(iter(modules.values())) if len(modules) == 1 else nn.ModuleDict(modules)
 
     def statefuls(self) -> dict[str, Any]:
@@ -63,6 +70,7 @@ class Registry:
 
     def with_schedulers(self) -> list[tuple[torch.optim.Optimizer, Any]]:
         """Each optimizer and the scheduler that drives it (None if none is registered)."""
+
         def scheduler_of(optimizer: Any) -> Any:
             return next((v for v in self.objects.values() if getattr(v, "optimizer", None) is optimizer), None)
 

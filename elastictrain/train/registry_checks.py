@@ -44,25 +44,42 @@ def unregistered_state(registered: dict[str, Any], live: Iterable[Any] = ()) -> 
         if not missing:
             continue
         ids = {id(p) for p in missing}
-        holders = sorted({type(o).__name__ for o in live if isinstance(o, torch.optim.Optimizer)
-                          and any(id(p) in ids for group in o.param_groups for p in group["params"])})
+        holders = sorted(
+            {
+                type(o).__name__
+                for o in live
+                if isinstance(o, torch.optim.Optimizer)
+                and any(id(p) in ids for group in o.param_groups for p in group["params"])
+            }
+        )
         by = f" (an unregistered {' and '.join(holders)} holds them)" if holders else ""
         total = sum(1 for p in model.parameters() if p.requires_grad)
         warnings.append(
             f"model {name!r}: {len(missing)} of its {total} trainable parameters are in no registered optimizer{by}; "
             "session.register() the optimizer that trains them, or a resume restarts its state (Adam's moments) from "
-            "zero; a model nothing trains (an EMA, a frozen part) wants requires_grad_(False)")
+            "zero; a model nothing trains (an EMA, a frozen part) wants requires_grad_(False)"
+        )
     for name, optimizer in optimizers.items():
         if any(getattr(v, "optimizer", None) is optimizer for v in registered.values()):
             continue
         if not any("initial_lr" in group for group in optimizer.param_groups):
             continue
-        schedulers = sorted({type(o).__name__ for o in live if isinstance(o, _SCHEDULERS)
-                             and getattr(o, "optimizer", None) is optimizer})
-        which = f"a {' and a '.join(schedulers)}" if schedulers else "an LR scheduler (its parameter groups hold initial_lr)"
+        schedulers = sorted(
+            {
+                type(o).__name__
+                for o in live
+                if isinstance(o, _SCHEDULERS) and getattr(o, "optimizer", None) is optimizer
+            }
+        )
+        which = (
+            f"a {' and a '.join(schedulers)}"
+            if schedulers
+            else "an LR scheduler (its parameter groups hold initial_lr)"
+        )
         warnings.append(
             f"optimizer {name!r} is driven by {which} that is not registered; session.register(lr_scheduler=...) it "
-            "before restore(), or a resume restarts the schedule from its first step")
+            "before restore(), or a resume restarts the schedule from its first step"
+        )
     return warnings
 
 

@@ -48,20 +48,29 @@ class RestorePhase:
     """Run RESTORE once, for one session: ``run()`` returns what TRAIN needs; ``tiers`` is set as soon as it is built
     (so that the session's end closes it, should RESTORE fail after it)."""
 
-    def __init__(self, cfg: Config, ctx: dist.DistContext, state: RunState, machine: StateMachine,
-                 events: Observers, registry: Registry, metrics: TrainMetrics, keys: LoopKeys) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: dist.DistContext,
+        state: RunState,
+        machine: StateMachine,
+        events: Observers,
+        registry: Registry,
+        metrics: TrainMetrics,
+        keys: LoopKeys,
+    ) -> None:
         self.cfg, self.ctx, self.state, self.machine, self.events = cfg, ctx, state, machine, events
         self.registry, self.metrics, self.keys = registry, metrics, keys
         self.tiers: SnapshotTiers | None = None
 
-    def run(self, data: TrainData | None, evaluates: bool, started_unix: float,
-            run_steps: Callable[[int | None], int]) -> Restored:
+    def run(
+        self, data: TrainData | None, evaluates: bool, started_unix: float, run_steps: Callable[[int | None], int]
+    ) -> Restored:
         """``run_steps(global_batch)``: the run's optimizer steps at that global batch (session.total_steps)."""
         cfg, ctx, state, registry = self.cfg, self.ctx, self.state, self.registry
         model = registry.model()
         if ctx.is_main:  # said once for the run: what a resume would silently lose
-            for warning in [*unregistered_state_named(registry.objects), *self.keys.at_restore(),
-                            *idle_keys_line(cfg)]:
+            for warning in [*unregistered_state_named(registry.objects), *self.keys.at_restore(), *idle_keys_line(cfg)]:
                 log.warning("%s", warning)
         if data is None and cfg.train.max_steps is None:
             raise ConfigError("a session without session.loader() has no epochs to end it: set train.max_steps")
@@ -69,10 +78,17 @@ class RestorePhase:
         if not registry.optimizers():
             survivors_refused = "no optimizer is registered, so a copy cannot tell a step half done"
         self.tiers = tiers = SnapshotTiers(
-            cfg, ctx, model, {**registry.statefuls(), **state.statefuls()}, state, self.events,
+            cfg,
+            ctx,
+            model,
+            {**registry.statefuls(), **state.statefuls()},
+            state,
+            self.events,
             train_samples=data.samples if data else None,
             rank_statefuls={**(data.rank_statefuls if data else {}), "train_sums": self.metrics.sums},
-            survivors_refused=survivors_refused, replicated=registry.objects)
+            survivors_refused=survivors_refused,
+            replicated=registry.objects,
+        )
         plan = Plan.of(cfg, epochs=data is not None, evaluates=evaluates, fast_tier=tiers.local is not None)
         self.events.started(RunInfo.of(ctx, cfg.run_dir, run_steps(state.batch_geometry.global_batch)))
         self.machine.transition(State.RESTORE, state.progress.global_step)
@@ -89,8 +105,12 @@ class RestorePhase:
             data.shard = shard
         step = state.progress.global_step
         state.run_log.begin(
-            restart_count=ctx.env.restart_count, world_size=ctx.world_size, start_step=step,
-            launcher=ctx.env.launcher, started_unix=started_unix, restored=restored is not None,
+            restart_count=ctx.env.restart_count,
+            world_size=ctx.world_size,
+            start_step=step,
+            launcher=ctx.env.launcher,
+            started_unix=started_unix,
+            restored=restored is not None,
         )
         self.events.restored(step, restored.duration_s if restored else 0.0, restored is not None)
         if cfg.track.mlflow_uri:  # rank 0's tracker run, in every rank's copies (a fast copy from any node)
@@ -103,4 +123,3 @@ class RestorePhase:
 
 
 __all__ = ["RestorePhase", "Restored"]
-

@@ -21,8 +21,17 @@ from elastictrain.health.anomaly_state import AnomalyLog, GradNormStatistic
 from elastictrain.observe.goodput import Goodput
 from elastictrain.observe.trackers.ids import TrackingIds
 
-RESERVED_NAMES = ("progress", "history", "run_log", "goodput", "batch_geometry", "threads", "anomalies", "grad_norms",
-                  "tracking")
+RESERVED_NAMES = (
+    "progress",
+    "history",
+    "run_log",
+    "goodput",
+    "batch_geometry",
+    "threads",
+    "anomalies",
+    "grad_norms",
+    "tracking",
+)
 ROLLBACK_KEEPS = ("run_log", "goodput", "threads", "anomalies", "tracking")
 
 

@@ -54,8 +54,13 @@ class Session:
     """One process's part of an elastictrain run. ``config``: a Config, a dict, a YAML path or None
     (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events."""
 
-    def __init__(self, config: Config | dict | str | None = None, overrides: Sequence[str] = (), *,
-                 observers: Iterable[Observer] = ()) -> None:
+    def __init__(
+        self,
+        config: Config | dict | str | None = None,
+        overrides: Sequence[str] = (),
+        *,
+        observers: Iterable[Observer] = (),
+    ) -> None:
         self._cfg = cfg = load_config(config, overrides)
         self._state = RunState(cfg.train.intra_op_threads, cfg.anomaly.skip_samples)
         self._machine = StateMachine()
@@ -130,7 +135,9 @@ class Session:
     def register(self, **statefuls: Any) -> None:
         """Everything that is state, by name: models, optimizers, schedulers, scalers, anything with
         ``state_dict()``/``load_state_dict()``. Saved in every snapshot, loaded by ``restore()``."""
-        self._calls.in_setup("register", "register everything that is state before restoring, or it would not be restored")
+        self._calls.in_setup(
+            "register", "register everything that is state before restoring, or it would not be restored"
+        )
         for name, value in statefuls.items():
             self._registry.add(name, value)
 
@@ -167,14 +174,27 @@ class Session:
     def restore(self) -> None:
         """Load the newest valid snapshot (both tiers) into everything registered; a fresh start without one."""
         self._calls.in_setup("restore", "restore() is called once")
-        self._restoring = RestorePhase(self._cfg, self._ctx, self._state, self._machine, self._events,
-                                       self._registry, self._metrics, self._keys)
-        restored = self._restoring.run(self._data, self._evaluate is not None, self._started_unix,
-                                       self._setting_up.run_steps)
-        self._driver = StepDriver(restored, ctx=self._ctx, state=self._state, machine=self._machine, events=self._events,
-                                  health=self._health, metrics=self._metrics, registry=self._registry, data=self._data,
-                                  train=self._cfg.train, evaluate=self._evaluate, epoch_end=self._epoch_end,
-                                  started=self._started)
+        self._restoring = RestorePhase(
+            self._cfg, self._ctx, self._state, self._machine, self._events, self._registry, self._metrics, self._keys
+        )
+        restored = self._restoring.run(
+            self._data, self._evaluate is not None, self._started_unix, self._setting_up.run_steps
+        )
+        self._driver = StepDriver(
+            restored,
+            ctx=self._ctx,
+            state=self._state,
+            machine=self._machine,
+            events=self._events,
+            health=self._health,
+            metrics=self._metrics,
+            registry=self._registry,
+            data=self._data,
+            train=self._cfg.train,
+            evaluate=self._evaluate,
+            epoch_end=self._epoch_end,
+            started=self._started,
+        )
         self._driver.run(self._driver.settled_state())
 
     def registered(self, name: str) -> Any:
@@ -228,7 +248,12 @@ class Session:
     def runner_link(self) -> RunnerLink:
         """For step runners (``StepRunner``): the gradient sync ``wrap(model, loss_fn)`` built and the anomaly checks."""
         anomalies, ctx = self._health.anomalies, self._calls.context("session.runner_link()")
-        return RunnerLink(self._setting_up.grad_sync, anomalies.check_gradients, anomalies.agree_ahead, lambda flag: any_rank(flag, ctx))
+        return RunnerLink(
+            self._setting_up.grad_sync,
+            anomalies.check_gradients,
+            anomalies.agree_ahead,
+            lambda flag: any_rank(flag, ctx),
+        )
 
     # -- collectives: every rank calls them, in the same order (dist.collective_timeout_s) ------------------------
 
@@ -256,8 +281,9 @@ class Session:
         try:
             label = self._setting_up.rank_label
             survivor_copy = (lambda: driver.write_survivor_copy(label)) if driver is not None else None
-            replacement = self._ending.leave(exc, rank_label=label, step=self.global_step, ctx=self._ctx, tiers=tiers,
-                                             survivor_copy=survivor_copy)
+            replacement = self._ending.leave(
+                exc, rank_label=label, step=self.global_step, ctx=self._ctx, tiers=tiers, survivor_copy=survivor_copy
+            )
         finally:
             self._calls.left = True  # what the loop calls from now on is a UsageError (call_order.py)
         if replacement is not None:

@@ -37,8 +37,9 @@ class SetupPhase:
     """Bring this process into the run once: ``run()`` sets ``ctx``, ``shard`` and ``metrics``; then ``wrap()`` puts
     each model on the process's device (DDP or FSDP) and records it for the registry checks."""
 
-    def __init__(self, cfg: Config, state: RunState, machine: StateMachine, events: Observers, health: Health,
-                 registry: Registry) -> None:
+    def __init__(
+        self, cfg: Config, state: RunState, machine: StateMachine, events: Observers, health: Health, registry: Registry
+    ) -> None:
         self.cfg, self.state, self.machine, self.events, self.health = cfg, state, machine, events, health
         self.registry = registry
         self.rank_label = "?"  # known once the launch environment is read
@@ -73,8 +74,13 @@ class SetupPhase:
         planned = fit_to_world(cfg.train, ctx.world_size, BatchGeometry(), None)  # a fresh start's geometry
         self.shard = Shard(ctx.rank, ctx.world_size, cfg.train.batch_size, planned.grad_accum_steps)
         optimizers = self.registry.optimizers
-        self.metrics = TrainMetrics(ctx, self.state, self.events, self.health.sync_timer,
-                                    lr=lambda: optimizers()[0].param_groups[0]["lr"] if optimizers() else None)
+        self.metrics = TrainMetrics(
+            ctx,
+            self.state,
+            self.events,
+            self.health.sync_timer,
+            lr=lambda: optimizers()[0].param_groups[0]["lr"] if optimizers() else None,
+        )
         # What the loop builds now (models, an EMA copy) starts the same on every rank and every launch;
         # RESTORE then gives each rank its own streams (seed + rank) or the snapshot's.
         seed_rng(cfg.run.seed)
@@ -97,18 +103,35 @@ class SetupPhase:
     def loader(self, dataset: Any, collate_fn: Callable | None, on_end_without_step: Callable[[], None]) -> TrainData:
         """``session.loader``: the run's one training set, this rank's share of it."""
         if self.data is not None:
-            raise UsageError("session.loader() was called twice: a run has one training set, whose position the "
-                             "snapshots keep; build one loader")
+            raise UsageError(
+                "session.loader() was called twice: a run has one training set, whose position the "
+                "snapshots keep; build one loader"
+            )
         assert self.shard is not None  # made with the process group
-        self.data = TrainData(dataset, collate_fn, self.cfg, self.started, self.state.progress, self.shard,
-                              on_end_without_step=on_end_without_step, skipped=self.state.anomalies.skipped_samples)
+        self.data = TrainData(
+            dataset,
+            collate_fn,
+            self.cfg,
+            self.started,
+            self.state.progress,
+            self.shard,
+            on_end_without_step=on_end_without_step,
+            skipped=self.state.anomalies.skipped_samples,
+        )
         return self.data
 
     def run_steps(self, global_batch: int | None) -> int:
         """The run's optimizer steps at ``global_batch`` (``session.total_steps``)."""
         if self.data is None and self.cfg.train.max_steps is None:  # 0 would be a scheduler's ZeroDivisionError
-            raise UsageError("session.total_steps is known once session.loader() has the training set (or "
-                             "train.max_steps is set): call session.loader() first")
+            raise UsageError(
+                "session.total_steps is known once session.loader() has the training set (or "
+                "train.max_steps is set): call session.loader() first"
+            )
         data = self.data
-        return run_steps(self.cfg.train, None if data is None or data.stream else data.samples, self.started.world_size,
-                         global_batch, self.state.progress)
+        return run_steps(
+            self.cfg.train,
+            None if data is None or data.stream else data.samples,
+            self.started.world_size,
+            global_batch,
+            self.state.progress,
+        )

@@ -27,8 +27,15 @@ from elastictrain.train.task import split_loss
 
 
 class StepRunner:
-    def __init__(self, session: StepSession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 lr_scheduler: Any = None, grad_scaler: Any = None) -> None:
+    def __init__(
+        self,
+        session: StepSession,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lr_scheduler: Any = None,
+        grad_scaler: Any = None,
+    ) -> None:
         link = session.runner_link()  # the parts of a step only the session holds (runner_link.py)
         if link.grad_sync is None:
             raise TypeError("StepRunner trains the module session.wrap(model, loss_fn) returned; wrap with a loss_fn")
@@ -73,8 +80,12 @@ class StepRunner:
                 checked = grad_norm(self.params)
         # A scaler's non-finite gradients are its own to handle (it skips the step and lowers the scale), on every
         # rank: where they were finite (a fault on another rank after the all-reduce), it is told so.
-        overflow = scaler is not None and scaler.is_enabled() and checked is not None and \
-            link.any_rank(not math.isfinite(checked))
+        overflow = (
+            scaler is not None
+            and scaler.is_enabled()
+            and checked is not None
+            and link.any_rank(not math.isfinite(checked))
+        )
         if overflow and checked is not None and math.isfinite(checked):
             backed_off(scaler)
         elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank

@@ -52,15 +52,23 @@ class RunSummary:
         )
 
 
-def summarize(state_name: str, run: RunState, model: nn.Module, world_size: int, restart_count: int,
-              wall_s: float) -> RunSummary:
+def summarize(
+    state_name: str, run: RunState, model: nn.Module, world_size: int, restart_count: int, wall_s: float
+) -> RunSummary:
     history, run_log = run.history, run.run_log
     last = history.records[-1] if history.records else {}
     return RunSummary(
-        state=state_name, global_step=run.progress.global_step, epoch=run.progress.epoch, world_size=world_size,
-        restart_count=restart_count, train_loss=history.last("train_loss"), val_loss=history.last("val_loss"),
+        state=state_name,
+        global_step=run.progress.global_step,
+        epoch=run.progress.epoch,
+        world_size=world_size,
+        restart_count=restart_count,
+        train_loss=history.last("train_loss"),
+        val_loss=history.last("val_loss"),
         val_metrics={k: v for k, v in last.items() if k.startswith("val_") and k != "val_loss"},
-        params_sha256=params_sha256(model), wall_s=wall_s, attempts=len(run_log.attempts),
+        params_sha256=params_sha256(model),
+        wall_s=wall_s,
+        attempts=len(run_log.attempts),
         run_wall_s=run_log.total("wall_s") - run_log.current["wall_s"] + wall_s,
     )
 
@@ -75,8 +83,12 @@ def plot(run: RunState, run_dir: str, run_name: str) -> None:
         log.info("no plots: %s", exc)
         return
     except OSError as exc:  # a run.dir that cannot be written: the run and its snapshots are fine, it ends DONE
-        log.warning("no plots: %s cannot be written (%s); point run.dir at a writable directory, or set "
-                    "log.plots=false — the run finished and its snapshots are intact", out_dir, exc.strerror or exc)
+        log.warning(
+            "no plots: %s cannot be written (%s); point run.dir at a writable directory, or set "
+            "log.plots=false — the run finished and its snapshots are intact",
+            out_dir,
+            exc.strerror or exc,
+        )
         return
     log.info("plots of %d metric(s) in %s", len(paths), out_dir)
 
@@ -98,7 +110,9 @@ def attach_reporters(cfg: Config, ctx: DistContext, events: Observers, machine: 
         from elastictrain.observe.trackers.exactly_once import attach_trackers
 
         attach_trackers(cfg, events, run)
-    if cfg.track.mlflow_uri:  # rank 0 opens its tracker run in the background: its id reaches the others' snapshots later
+    if (
+        cfg.track.mlflow_uri
+    ):  # rank 0 opens its tracker run in the background: its id reaches the others' snapshots later
         from elastictrain.observe.trackers.ids import share_run_id
 
         for snapshot in (State.SNAPSHOT, State.LOCAL_SNAPSHOT):  # every rank takes both at the same steps

@@ -186,7 +186,9 @@ def load_task(cfg: TaskConfig) -> Task:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"task.factory={cfg.factory!r}: cannot import {exc.name!r}; is it installed or on PYTHONPATH?") from None
+        raise ConfigError(
+            f"task.factory={cfg.factory!r}: cannot import {exc.name!r}; is it installed or on PYTHONPATH?"
+        ) from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ConfigError(f"task.factory={cfg.factory!r}: module {module_name!r} has no function {function_name!r}")

@@ -32,14 +32,27 @@ log = logging.getLogger("elastictrain")
 
 
 class SnapshotTiers:
-    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, statefuls: dict[str, Any], state: RunState,
-                 events: Observers, *, train_samples: int | None, rank_statefuls: dict[str, Any],
-                 survivors_refused: str | None = None, replicated: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        statefuls: dict[str, Any],
+        state: RunState,
+        events: Observers,
+        *,
+        train_samples: int | None,
+        rank_statefuls: dict[str, Any],
+        survivors_refused: str | None = None,
+        replicated: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg, self.ctx, self.state, self.events = cfg, ctx, state, events
         # Every snapshot, and the run's end, first checks that the ranks' replicas agree (replicas.py).
         self.replicas = ReplicaCheck(ctx, replicated or {}, cfg.dist.check_replicas)
         self.durable = DurableTier(cfg, ctx, model, statefuls, train_samples, rank_statefuls)
-        self.local = LocalTier(cfg, ctx, model, statefuls, train_samples, rank_statefuls) if cfg.local_snapshot_url else None
+        self.local = (
+            LocalTier(cfg, ctx, model, statefuls, train_samples, rank_statefuls) if cfg.local_snapshot_url else None
+        )
         # Rank 0's clock for timed fast copies (snapshot.local.every_s); the vote carries it to every rank.
         timer = FastTierTimer(cfg.snapshot.local.every_s, prior_mtbf_s=cfg.snapshot.local.mtbf_prior_s)
         self.fast_timer: FastTierTimer | None = None
@@ -51,8 +64,9 @@ class SnapshotTiers:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None  # torchrun's
             why_not = survivors_refused or SurvivorCopies.applies(self.local, model, ctx.world_size, local_world)
             if why_not is None:
-                self.survivors = SurvivorCopies(self.local, ctx.world_size, ctx.round_id, state.progress,
-                                                state.history, self.durable.rank_state_now)
+                self.survivors = SurvivorCopies(
+                    self.local, ctx.world_size, ctx.round_id, state.progress, state.history, self.durable.rank_state_now
+                )
             elif ctx.is_main:
                 log.info("no survivor copies (snapshot.local.survivor_copies): %s", why_not)
         self._last_durable = time.monotonic()
@@ -145,8 +159,9 @@ class SnapshotTiers:
             self.survivors.mark(self.ctx.device, step=step)
             registry.optimizer_steps = 0  # counted from here: a copy of this step refuses half a step
 
-    def write_survivor_copy(self, meta: dict[str, Any], rank: str,
-                            wall_s: float, registry: Registry, marked_ahead: bool) -> None:
+    def write_survivor_copy(
+        self, meta: dict[str, Any], rank: str, wall_s: float, registry: Registry, marked_ahead: bool
+    ) -> None:
         """A peer died while training: the node's lowest survivor writes the last step every rank completed.
 
         A custom loop marks at each step's end (``marked_ahead`` False): a registered optimizer that has
@@ -154,8 +169,11 @@ class SnapshotTiers:
         if self.survivors is None:
             return
         if not marked_ahead and registry.optimizer_steps:
-            log.info("no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
-                     "the restart reads the newest fast copy", self.state.progress.global_step)
+            log.info(
+                "no survivor copy: an optimizer stepped after step %d ended, so its state is half a step on; "
+                "the restart reads the newest fast copy",
+                self.state.progress.global_step,
+            )
             return
 
         def complete() -> None:  # what a snapshot of this step would have recorded

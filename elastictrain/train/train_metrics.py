@@ -25,19 +25,25 @@ def check_logged(call: str, values: Mapping[str, Any]) -> None:
     """Values logged by ``session.step()``/``session.log()`` are scalars: one line naming the key, not a traceback."""
     for name, value in values.items():
         if not is_scalar(value):
-            raise UsageError(f"{call}({name}=...) got {_described(value)}; logged values are scalars, the mean over "
-                             f"the step's samples: pass {name}=x.mean()")
+            raise UsageError(
+                f"{call}({name}=...) got {_described(value)}; logged values are scalars, the mean over "
+                f"the step's samples: pass {name}=x.mean()"
+            )
 
 
 def evaluation_record(returned: Any) -> dict[str, Any]:
     """What the function given to ``session.evaluate_with()`` returned, as the history's ``val_<name>`` record."""
     if not isinstance(returned, Mapping):
-        raise UsageError(f"the function given to session.evaluate_with() returned {_described(returned)}; it returns a "
-                         "dict of metric names to numbers, e.g. {'loss': 0.31, 'accuracy': 0.92}")
+        raise UsageError(
+            f"the function given to session.evaluate_with() returned {_described(returned)}; it returns a "
+            "dict of metric names to numbers, e.g. {'loss': 0.31, 'accuracy': 0.92}"
+        )
     for name, value in returned.items():
         if not is_scalar(value):
-            raise UsageError(f"the function given to session.evaluate_with() returned {name!r} as {_described(value)}; "
-                             f"metrics are scalars: return {{{name!r}: x.mean()}}")
+            raise UsageError(
+                f"the function given to session.evaluate_with() returned {name!r} as {_described(value)}; "
+                f"metrics are scalars: return {{{name!r}: x.mean()}}"
+            )
     return {f"val_{name}": value for name, value in returned.items()}
 
 
@@ -56,8 +62,14 @@ class _Interval:
 
 
 class TrainMetrics:
-    def __init__(self, ctx: DistContext, run: RunState, events: Observers, sync_timer: GradientSyncTimer,
-                 lr: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        ctx: DistContext,
+        run: RunState,
+        events: Observers,
+        sync_timer: GradientSyncTimer,
+        lr: Callable[[], float | None],
+    ) -> None:
         self.ctx, self.run, self.events, self.sync_timer, self.lr = ctx, run, events, sync_timer, lr
         self.sums = WeightedSums(ctx.device)
         self.interval = _Interval(0, time.monotonic())
@@ -91,11 +103,18 @@ class TrainMetrics:
         self.interval = _Interval(step, now)
         if not means:
             return
-        self.events.trained(TrainInterval(
-            step=step, epoch=self.run.progress.epoch, steps=steps, samples=steps * samples_per_step,
-            elapsed_s=now - interval.started, metrics=self.record(means), step_time_s_by_rank=slots[:world],
-            sync_wait_s_by_rank=slots[world:],
-        ))
+        self.events.trained(
+            TrainInterval(
+                step=step,
+                epoch=self.run.progress.epoch,
+                steps=steps,
+                samples=steps * samples_per_step,
+                elapsed_s=now - interval.started,
+                metrics=self.record(means),
+                step_time_s_by_rank=slots[:world],
+                sync_wait_s_by_rank=slots[world:],
+            )
+        )
 
     def record(self, means: dict[str, float]) -> dict[str, float]:
         """The history record of the training metrics reduced at this step (a log interval, or a survivor copy's)."""

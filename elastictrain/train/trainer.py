@@ -72,12 +72,25 @@ class Trainer:
         self._restored = False  # fit() has restored: the session knows the run's geometry
 
     @classmethod
-    def from_task(cls, task: Task, config: Config | dict | str | None = None, overrides: Sequence[str] = (),
-                  observers: Iterable[Observer] = ()) -> Trainer:
+    def from_task(
+        cls,
+        task: Task,
+        config: Config | dict | str | None = None,
+        overrides: Sequence[str] = (),
+        observers: Iterable[Observer] = (),
+    ) -> Trainer:
         return cls(
-            task.model, task.optimizer, task.train_data, task.loss_fn,
-            val_data=task.val_data, lr_scheduler=task.lr_scheduler, grad_scaler=task.grad_scaler,
-            collate_fn=task.collate_fn, config=config, overrides=overrides, observers=observers,
+            task.model,
+            task.optimizer,
+            task.train_data,
+            task.loss_fn,
+            val_data=task.val_data,
+            lr_scheduler=task.lr_scheduler,
+            grad_scaler=task.grad_scaler,
+            collate_fn=task.collate_fn,
+            config=config,
+            overrides=overrides,
+            observers=observers,
         )
 
     @classmethod
@@ -98,8 +111,13 @@ class Trainer:
         if self._restored:
             return self.session.total_steps
         data = self.task.train_data
-        return run_steps(self.cfg.train, None if is_stream(data) else samples_in(data), dist.planned_world_size(self.cfg.dist),
-                         None, Progress())
+        return run_steps(
+            self.cfg.train,
+            None if is_stream(data) else samples_in(data),
+            dist.planned_world_size(self.cfg.dist),
+            None,
+            Progress(),
+        )
 
     @property
     def scheduler_steps(self) -> int:
@@ -119,7 +137,9 @@ class Trainer:
             if scaler is None and train.autocast_dtype == "float16":
                 scaler = torch.amp.GradScaler(session.device.type)
             scheduler = task.lr_scheduler
-            if callable(scheduler) and not hasattr(scheduler, "state_dict"):  # a factory: built once the run's length is known
+            if callable(scheduler) and not hasattr(
+                scheduler, "state_dict"
+            ):  # a factory: built once the run's length is known
                 scheduler = PendingScheduler(scheduler, task.optimizer)
             session.register(model=task.model, optimizer=task.optimizer, lr_scheduler=scheduler, grad_scaler=scaler)
             loader = session.loader(task.train_data, task.collate_fn)
@@ -130,8 +150,9 @@ class Trainer:
                 session.every_epoch(lambda: session.registered("lr_scheduler").step())
             session.restore()
             self._restored = True
-            runner = StepRunner(session, model, task.optimizer, lr_scheduler=session.registered("lr_scheduler"),
-                                grad_scaler=scaler)
+            runner = StepRunner(
+                session, model, task.optimizer, lr_scheduler=session.registered("lr_scheduler"), grad_scaler=scaler
+            )
             for _epoch in session.epochs():
                 model.train()
                 for batches in loader.steps():
@@ -160,4 +181,6 @@ class Trainer:
             for _ in range(forwards - len(loader)):
                 model(batch)
         model.train()
-        return session.reduce_metrics({name: total / count for name, total in sums.items()} if count else {}, weight=count)
+        return session.reduce_metrics(
+            {name: total / count for name, total in sums.items()} if count else {}, weight=count
+        )

@@ -34,8 +34,14 @@ def first_line(exc: BaseException) -> str:
 class TrackerThread:
     """Run ``make_backend()`` and then each submitted ``call(backend)`` in order, on a daemon thread."""
 
-    def __init__(self, name: str, make_backend: Callable[[], Any], max_pending: int = MAX_PENDING,
-                 retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        make_backend: Callable[[], Any],
+        max_pending: int = MAX_PENDING,
+        retry_first_s: float = RETRY_FIRST_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
         self.name, self._make_backend = name, make_backend
         self._calls: queue.Queue = queue.Queue(maxsize=max_pending)
         self._retry_first_s, self._retry_max_s = retry_first_s, retry_max_s
@@ -54,8 +60,12 @@ class TrackerThread:
             self._calls.put_nowait((what, call))
         except queue.Full:
             if not self.dropped:
-                log.warning("track: %s has %d calls waiting (its server is not answering); newer points are dropped "
-                            "from its queue (the run's history keeps them)", self.name, self._calls.qsize())
+                log.warning(
+                    "track: %s has %d calls waiting (its server is not answering); newer points are dropped "
+                    "from its queue (the run's history keeps them)",
+                    self.name,
+                    self._calls.qsize(),
+                )
             self.dropped += 1
 
     @property
@@ -78,8 +88,12 @@ class TrackerThread:
         self._closing.set()
         self._wake.set()
         if not self._all_made:
-            log.warning("track: %s did not answer; %d calls of this attempt are not made (its points are in the "
-                        "run's snapshots: the next attempt writes them)", self.name, self._calls.qsize() + 1)
+            log.warning(
+                "track: %s did not answer; %d calls of this attempt are not made (its points are in the "
+                "run's snapshots: the next attempt writes them)",
+                self.name,
+                self._calls.qsize() + 1,
+            )
         return self._all_made
 
     def _run(self) -> None:
@@ -105,9 +119,14 @@ class TrackerThread:
             except Exception as exc:  # the tracker's store, not training's: say so once per outage, retry
                 if self.down_since is None:
                     self.down_since = began  # a hung server: since the request that timed out was sent
-                    log.warning("track: %s failed in %s (%s); training goes on, its points wait and are written when "
-                                "it answers (retried every %.0f s at most)", self.name, what, first_line(exc),
-                                self._retry_max_s)
+                    log.warning(
+                        "track: %s failed in %s (%s); training goes on, its points wait and are written when "
+                        "it answers (retried every %.0f s at most)",
+                        self.name,
+                        what,
+                        first_line(exc),
+                        self._retry_max_s,
+                    )
                     log.debug("track: %s failed", self.name, exc_info=True)
                 if self._wake.wait(pause_s):
                     self._wake.clear()  # one try now, then the pauses again
@@ -116,8 +135,12 @@ class TrackerThread:
                 pause_s = min(pause_s * 2, self._retry_max_s)
                 continue
             if self.down_since is not None:
-                log.warning("track: %s answers again after %.0f s; %d calls were waiting", self.name,
-                            time.monotonic() - self.down_since, self._calls.qsize() + 1)
+                log.warning(
+                    "track: %s answers again after %.0f s; %d calls were waiting",
+                    self.name,
+                    time.monotonic() - self.down_since,
+                    self._calls.qsize() + 1,
+                )
                 self.down_since = None
             self.progressed = time.monotonic()
             return result if result is not None else True

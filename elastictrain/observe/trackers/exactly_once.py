@@ -28,6 +28,7 @@ class TrackedRun(Protocol):
     history: History
     run_log: RunLog
 
+
 NOT_METRICS = ("step", "epoch")
 
 
@@ -81,8 +82,11 @@ def marker_key(marker: Marker) -> tuple[int, int, int]:
 
 
 def metric_points(record: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(name, float(value)) for name, value in sorted(record.items())
-            if name not in NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return [
+        (name, float(value))
+        for name, value in sorted(record.items())
+        if name not in NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool)
+    ]
 
 
 class Tracking(Observer):
@@ -161,7 +165,7 @@ class Tracking(Observer):
         while end < len(records) and (step is None or records[end]["step"] <= step):
             end += 1
         if end > self.cursor:
-            batch, now = records[self.cursor:end], time.time()
+            batch, now = records[self.cursor : end], time.time()
             times = {record["step"]: self.run.tracking.time_of(record["step"], now) for record in batch}
             self._each("a write", lambda backend: self._write(backend, batch, times))
         self.cursor = end
@@ -187,8 +191,12 @@ class Tracking(Observer):
     def _summary(self) -> dict[str, Any]:
         progress, history = self.run.progress, self.run.history
         last = {name: value for record in history.records for name, value in metric_points(record)}
-        return {"global_step": progress.global_step, "epoch": progress.epoch,
-                "attempts": len(self.run.run_log.attempts), **last}
+        return {
+            "global_step": progress.global_step,
+            "epoch": progress.epoch,
+            "attempts": len(self.run.run_log.attempts),
+            **last,
+        }
 
 
 def attach_trackers(cfg: Config, events: Observers, run: TrackedRun) -> None:

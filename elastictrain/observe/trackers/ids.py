@@ -7,7 +7,9 @@ import uuid
 from typing import Any
 
 RUN_ID_KEY = "tracking/mlflow_run_id"  # in the launcher's store: for an attempt that died before its first snapshot
-CREATOR_KEY = "tracking/creator"  # in the launcher's store: the creator token of an attempt that died before its first snapshot
+CREATOR_KEY = (
+    "tracking/creator"  # in the launcher's store: the creator token of an attempt that died before its first snapshot
+)
 
 
 class TrackingIds:

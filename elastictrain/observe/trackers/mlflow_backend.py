@@ -38,8 +38,10 @@ CREATED_BY = "elastictrain.created_by"  # a tag on the run: a create whose answe
 def check_installed(uri: str) -> None:
     """At start, on the training thread (the import itself happens on the tracker's thread)."""
     if importlib.util.find_spec("mlflow") is None:
-        raise ConfigError(f"track.mlflow_uri={uri!r} needs the mlflow package: pip install 'elastictrain[mlflow]', "
-                          "or set track.mlflow_uri='' (nothing saved is lost)")
+        raise ConfigError(
+            f"track.mlflow_uri={uri!r} needs the mlflow package: pip install 'elastictrain[mlflow]', "
+            "or set track.mlflow_uri='' (nothing saved is lost)"
+        )
 
 
 class MlflowBackend:
@@ -66,8 +68,9 @@ class MlflowBackend:
             if mine:
                 run_id, created = mine[0].info.run_id, not mine[0].data.params  # its config, unless that was logged
             else:
-                run_id = self.client.create_run(experiment_id, run_name=self.run_name,
-                                                tags={"elastictrain.run": self.run_name, CREATED_BY: creator}).info.run_id
+                run_id = self.client.create_run(
+                    experiment_id, run_name=self.run_name, tags={"elastictrain.run": self.run_name, CREATED_BY: creator}
+                ).info.run_id
             if store is not None:
                 store.set(RUN_ID_KEY, run_id)
         ids.mlflow_run_id = self.run_id = run_id
@@ -92,7 +95,7 @@ class MlflowBackend:
 
         metrics = [Metric(name, value, int(wall_time_s * 1000), step) for name, step, value, wall_time_s in points]
         for start in range(0, len(metrics), MAX_METRICS):
-            self.client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS])
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS])
 
     def markers(self) -> set[tuple[int, int, int]]:
         history = self.client.get_metric_history(self.run_id, RESTART_MARKER)
@@ -107,7 +110,7 @@ class MlflowBackend:
 
         params = [Param(key, value[:MAX_PARAM_CHARS]) for key, value in flatten(config).items()]
         for start in range(0, len(params), MAX_PARAMS):
-            self.client.log_batch(self.run_id, params=params[start:start + MAX_PARAMS])
+            self.client.log_batch(self.run_id, params=params[start : start + MAX_PARAMS])
 
     def log_summary(self, summary: dict[str, Any], step: int) -> None:
         from mlflow.entities import RunTag

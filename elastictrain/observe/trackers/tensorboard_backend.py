@@ -49,8 +49,10 @@ def scalar_of(value: Any) -> float:
 def check_installed() -> None:
     """At start, on the training thread (the import itself happens on the tracker's thread)."""
     if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("track.tensorboard=true needs the tensorboard package: pip install "
-                          "'elastictrain[tensorboard]', or set track.tensorboard=false (nothing saved is lost)")
+        raise ConfigError(
+            "track.tensorboard=true needs the tensorboard package: pip install "
+            "'elastictrain[tensorboard]', or set track.tensorboard=false (nothing saved is lost)"
+        )
 
 
 class TensorBoardBackend:

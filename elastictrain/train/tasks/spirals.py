@@ -31,8 +31,12 @@ class SpiralNet(nn.Module):
     def __init__(self, classes: int, hidden: int, dropout: float) -> None:
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(2, hidden), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(2, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, classes),
         )
 
