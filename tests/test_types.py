@@ -1,5 +1,5 @@
-"""The package passes the type checker and the linter, with the settings in pyproject.toml ([tool.mypy],
-[tool.ruff]).
+"""The package passes the type checker, the linter and the formatter's check, with the settings in pyproject.toml
+([tool.mypy], [tool.ruff]).
 
 Each runs in a process of its own from the repository root. mypy keeps its cache in ``.mypy_cache``: the first run
 on a fresh checkout reads torch's stubs (about 20 s of CPU), later runs recheck only what changed (under a second).
@@ -28,3 +28,8 @@ def test_the_package_type_checks():
 def test_the_package_passes_the_linter():
     done = run_tool("ruff", "check", "--no-cache", "elastictrain")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_package_is_formatted():
+    done = run_tool("ruff", "format", "--check", "--no-cache", "elastictrain")
+    assert done.returncode == 0, done.stdout + done.stderr + "(run: ruff format elastictrain)"
