@@ -56,7 +56,7 @@ def worker(rank: int, port: int, scratch: str, repeats: int, results: dict) -> N
     from elastictrain.dist.group import DistContext
     from elastictrain.launcher.launch_env import LaunchEnv
     from elastictrain.health.replicas import ReplicaCheck, fingerprint
-    from elastictrain.snapshot.snapshotter import DurableTier
+    from elastictrain.snapshot.durable_tier import DurableTier
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

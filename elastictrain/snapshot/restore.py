@@ -45,8 +45,8 @@ _OPTIONAL_COMPONENTS = ("lr_scheduler", "grad_scaler")
 
 
 class SnapshotTier(NodeTier, Protocol):
-    """What restoring reads of a tier and loads into (snapshotter.DurableTier is one, and calls ``restore_newest``
-    with itself): this module takes the tier, it never imports the snapshotter."""
+    """What restoring reads of a tier and loads into (durable_tier.DurableTier is one, and calls ``restore_newest``
+    with itself): this module takes the tier, it never imports the tiers."""
 
     cfg: Config
     ctx: DistContext

@@ -21,9 +21,10 @@ from elastictrain.core.events import Observers, SnapshotReport
 from elastictrain.dist.group import DistContext
 from elastictrain.health.replicas import ReplicaCheck
 from elastictrain.snapshot.cadence import COST_KEY, FastTierTimer
+from elastictrain.snapshot.durable_tier import DurableTier
 from elastictrain.snapshot.local_tier import LocalTier
 from elastictrain.snapshot.restore import Restored
-from elastictrain.snapshot.snapshotter import DurableTier, Snapshotter
+from elastictrain.snapshot.snapshotter import Snapshotter
 from elastictrain.snapshot.survivor import SurvivorCopies
 from elastictrain.train.registry import Registry
 from elastictrain.train.runstate import RunState
