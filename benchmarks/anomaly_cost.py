@@ -6,7 +6,7 @@
    order alternates. Reported: the median over pairs of on / off (target <= 1.01).
 2. The check alone, in one process (one intra-op thread, as torchrun gives each worker): the same model's
    step (forward, backward, AdamW) in blocks of 20, alternately with and without what the check adds
-   (``anomalies.grad_norm`` over the gradients and reading the loss); the median over blocks of with /
+   (``norms.grad_norm`` over the gradients and reading the loss); the median over blocks of with /
    without. Less noise than (1), whose pairs scatter by +-15 % on a busy machine.
 3. One rollback: the custom loop of the self-healing tests (``tests/helpers/healing_loop.py``) with a
    transient fault on rank 1 at step 7, durable snapshots every 5 steps, once with the fast tier (node
@@ -60,7 +60,7 @@ def check_alone(model_name: str, blocks: int = 12, steps: int = 20) -> float:
     import torch.nn.functional as F
 
     from _overhead_worker import MODELS, dataset  # the step-overhead job's models and data
-    from elastictrain.health.anomalies import grad_norm
+    from elastictrain.health.norms import grad_norm
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

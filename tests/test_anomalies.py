@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.health.anomalies import of_ranks, where
+from elastictrain.health.anomaly_text import of_ranks, where
 from elastictrain.health.anomaly_state import AnomalyLog, GradNormStatistic, Sighting, judge
 from elastictrain.data.sampling import Shard, ShardedBatchSampler, epoch_order
 from elastictrain.core.errors import AnomalyError

@@ -44,15 +44,14 @@ from torch.distributed.tensor import DTensor
 from elastictrain.core.config import AnomalyConfig
 from elastictrain.core.errors import AnomalyError
 from elastictrain.dist.collectives import all_gather
-from elastictrain.dist.fsdp import full_value
 from elastictrain.dist.group import DistContext
 from elastictrain.dist.vote import NOTHING, Requests
 from elastictrain.health.anomaly_state import AnomalyLog, GradNormStatistic, Sighting, Verdict, judge
+from elastictrain.health.anomaly_text import number, of_ranks, shown_samples, stated, where
+from elastictrain.health.norms import norm_of
 from elastictrain.health.update_check import UpdateDecision, agree, agree_ahead, decide_update, finding_of
 
 log = logging.getLogger("elastictrain")
-
-SHOWN_SAMPLES = 8  # sample indices named in a log line (the snapshot's anomaly log keeps them all)
 
 
 class Anomalies:
@@ -204,10 +203,10 @@ class Anomalies:
                 "anomaly at step %d: %s%s; the optimizer step was skipped on every rank (anomaly.policy=skip), "
                 "its %d samples recorded (%s)",
                 entry["step"],
-                _what(entry["kind"], entry["value"], entry["spike"], self.cfg),
+                stated(entry["kind"], entry["value"], entry["spike"], self.cfg),
                 seen,
                 len(entry["samples"]),
-                _shown(entry["samples"]),
+                shown_samples(entry["samples"]),
             )
         self._emit(entry)
 
@@ -244,7 +243,7 @@ class Anomalies:
                 "(transient faults so far: %d)",
                 step,
                 seen.kind,
-                _number(seen.value),
+                number(seen.value),
                 self._where(seen),
                 self.record.counts["transient"],
             )
@@ -255,7 +254,7 @@ class Anomalies:
         sightings = all_gather(self.pending, self._attached) if self._attached.distributed else [self.pending]
         self._hosts_by_rank = [s.host if s is not None else None for s in sightings]
         verdict = judge(sightings, self.replaying, self.record.rollbacks, self.cfg.max_rollbacks)
-        what = f"{verdict.kind} {_number(verdict.value)}" + (
+        what = f"{verdict.kind} {number(verdict.value)}" + (
             " (a spike)" if any(s is not None and s.spike for s in sightings) else ""
         )
         if verdict.action == "fault":
@@ -277,7 +276,7 @@ class Anomalies:
     def nothing_to_roll_back_to(self, verdict: Verdict) -> AnomalyError:
         """ROLLBACK found no snapshot (an anomaly before the first one): the one line to stop with."""
         return AnomalyError(
-            f"anomaly at step {verdict.step} ({verdict.kind} {_number(verdict.value)}) and no snapshot "
+            f"anomaly at step {verdict.step} ({verdict.kind} {number(verdict.value)}) and no snapshot "
             "to roll back to yet: training stopped; take snapshots more often "
             "(snapshot.durable.every_steps, or a fast tier: snapshot.local.url with "
             "snapshot.local.every_steps), or set anomaly.policy=skip"
@@ -314,8 +313,8 @@ class Anomalies:
                     "at every world size; rolled back to step %d (rollback %d of %d)",
                     verdict.step,
                     verdict.kind,
-                    _number(verdict.value),
-                    f"its {len(samples)} samples ({_shown(samples)}) are"
+                    number(verdict.value),
+                    f"its {len(samples)} samples ({shown_samples(samples)}) are"
                     if samples is not None
                     else "the step's update is",
                     restored_step,
@@ -330,7 +329,7 @@ class Anomalies:
                     "anomaly at step %d: %s %s%s; rolled back to step %d to replay it (rollback %d of %d)",
                     verdict.step,
                     verdict.kind,
-                    _number(verdict.value),
+                    number(verdict.value),
                     self._where(verdict),
                     restored_step,
                     self.record.rollbacks,
@@ -357,94 +356,11 @@ class Anomalies:
             self.events.anomaly(dict(entry))
 
 
-def where(kind: str, ranks: Iterable[int], origin: Iterable[int], hosts: list[str | None], world_size: int) -> str:
-    """Where an anomaly was seen, for its line: the ranks (and hosts) to suspect. ``ranks``: those that saw
-    something at its step; ``origin``: those whose own loss was non-finite; ``hosts``: each rank's, by rank."""
-    ranks, origin = list(ranks), list(origin)
-
-    def named(which: list[int]) -> str:
-        return _ranks(which, [h for r in which if r < len(hosts) and (h := hosts[r]) is not None])
-
-    if world_size == 1:
-        return ""
-    if kind == "loss":  # a rank's own number: the ranks it was non-finite on, not those its NaN reached through
-        return f" on rank(s) {named(origin or ranks)}"  # the all-reduce (their weights, checked before a snapshot)
-    if kind != "gradient norm":  # the weights
-        return f" on rank(s) {named(ranks)}"
-    if len(ranks) == world_size:
-        if origin and len(origin) < world_size:
-            return (
-                f" on every rank after the gradient all-reduce; the loss was non-finite first on rank(s) "
-                f"{named(origin)}"
-            )
-        return " on every rank (after the gradient all-reduce its origin cannot be told)"
-    return f" on rank(s) {named(ranks)} only"
-
-
-def of_ranks(samples: list[int], ranks: tuple[int, ...], world_size: int, rank_batch: int) -> list[int]:
-    """The samples of ``ranks`` among a step's global ``samples`` (data/sampling.py's layout: each micro-batch is every
-    rank's ``rank_batch`` in rank order); all of them when no rank, or every rank, is named."""
-    if not ranks or len(ranks) >= world_size or rank_batch <= 0:
-        return list(samples)
-    return [index for position, index in enumerate(samples) if (position // rank_batch) % world_size in ranks]
-
-
-def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
-    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), as a Python float: one read of
-    the gradients and one host read. ``get_total_norm``'s grouping by device and dtype costs ~4x more per call
-    than the norm itself for a small model; its result is what clipping uses, so with clipping on the loop
-    checks that one instead (step_runner.py)."""
-    return norm_of([p.grad for p in parameters if p.grad is not None])
-
-
-def clipping_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of the gradients as ``clip_grad_norm_`` computes it (its first half, FSDP's shards as
-    one), a tensor to hand to ``torch.nn.utils.clip_grads_with_norm_`` (its second half): one norm, read once."""
-    return full_value(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0))
-
-
-def norm_of(tensors: list[torch.Tensor]) -> float:
-    """The 2-norm of all ``tensors`` together, as a Python float (0.0 for none)."""
-    if not tensors:
-        return 0.0
-    if any(isinstance(t, DTensor) for t in tensors):  # FSDP's shards: the global norm, never one rank's part
-        # get_total_norm of DTensors is a DTensor (torch's stub says Tensor)
-        return float(torch.nn.utils.get_total_norm(tensors, 2.0).full_tensor())  # type: ignore[attr-defined]
-    if len({(t.device, t.dtype) for t in tensors}) > 1:  # one foreach call takes one device and dtype
-        return float(torch.nn.utils.get_total_norm(tensors, 2.0))
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0))))
-
-
-def _what(kind: str, value: float, spike: bool, cfg: AnomalyConfig) -> str:
-    return f"{kind} {_number(value)}" + (f" (over {cfg.spike_factor:g} x its running mean)" if spike else "")
-
-
-def _number(value: float) -> str:
-    return f"{value:.6g}" if math.isfinite(value) else str(value)
-
-
-def _ranks(ranks: Iterable[int], hosts: list[str]) -> str:
-    ranks = list(ranks)
-    names = ", ".join(str(r) for r in ranks)
-    unique = sorted(set(hosts))
-    return f"{names} (host {', '.join(unique)})" if unique else names
-
-
-def _shown(samples: list[int]) -> str:
-    shown = ", ".join(str(i) for i in samples[:SHOWN_SAMPLES])
-    return (
-        f"global indices {shown}{', ...' if len(samples) > SHOWN_SAMPLES else ''}" if samples else "no sample indices"
-    )
-
-
 __all__ = [
     "AnomalyLog",
     "Anomalies",
     "GradNormStatistic",
     "Sighting",
     "Verdict",
-    "clipping_norm",
-    "grad_norm",
     "judge",
-    "where",
 ]

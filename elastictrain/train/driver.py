@@ -24,7 +24,7 @@ from elastictrain.core.states import State, StateMachine
 from elastictrain.data.train_data import TrainData, wrong_micro_batches
 from elastictrain.dist import group as dist
 from elastictrain.dist.vote import NOTHING, Requests
-from elastictrain.health.anomalies import clipping_norm, grad_norm
+from elastictrain.health.norms import clipping_norm, grad_norm
 from elastictrain.train.health import Health
 from elastictrain.train.plan import decide, run_finished
 from elastictrain.train.registry import Registry

@@ -21,7 +21,7 @@ import torch
 
 from elastictrain.core import failpoints
 from elastictrain.data.sampling import batch_size_of
-from elastictrain.health.anomalies import clipping_norm, grad_norm
+from elastictrain.health.norms import clipping_norm, grad_norm
 from elastictrain.train.runner_link import StepSession
 from elastictrain.train.task import split_loss
 
