@@ -17,21 +17,17 @@ import torch
 from torch import nn
 
 from elastictrain.core import failpoints
-from elastictrain.core.config import TrainConfig
-from elastictrain.core.events import Observers
 from elastictrain.core.signals import Preempted
-from elastictrain.core.states import State, StateMachine
-from elastictrain.data.train_data import TrainData, wrong_micro_batches
-from elastictrain.dist import group as dist
+from elastictrain.core.states import State
+from elastictrain.data.train_data import wrong_micro_batches
 from elastictrain.dist.vote import NOTHING, Requests
 from elastictrain.health.norms import clipping_norm, grad_norm
-from elastictrain.train.health import Health
 from elastictrain.train.plan import decide, run_finished
-from elastictrain.train.registry import Registry
 from elastictrain.train.restore_phase import Restored
-from elastictrain.train.runstate import ROLLBACK_KEEPS, RunState
+from elastictrain.train.runstate import ROLLBACK_KEEPS
+from elastictrain.train.setup_phase import SetupPhase
 from elastictrain.train.summary import RunSummary, summarize
-from elastictrain.train.train_metrics import TrainMetrics, evaluation_record
+from elastictrain.train.train_metrics import evaluation_record
 
 log = logging.getLogger("elastictrain")
 
@@ -42,25 +38,18 @@ class StepDriver:
     def __init__(
         self,
         restored: Restored,
-        *,
-        ctx: dist.DistContext,
-        state: RunState,
-        machine: StateMachine,
-        events: Observers,
-        health: Health,
-        metrics: TrainMetrics,
-        registry: Registry,
-        data: TrainData | None,
-        train: TrainConfig,
+        setup: SetupPhase,
         evaluate: Callable[[], dict[str, float]] | None,
         epoch_end: list[Callable[[], None]],
         started: float,
     ) -> None:
-        self.ctx, self.state, self.machine, self.events = ctx, state, machine, events
+        """``setup``: what SETUP brought up (the process group, the run's state and events, metrics, data)."""
+        assert setup.metrics is not None  # made with the process group, before RESTORE
+        self.ctx, self.state, self.machine, self.events = setup.started, setup.state, setup.machine, setup.events
         self.tiers, self.plan, self.model, self.shard = restored.tiers, restored.plan, restored.model, restored.shard
-        self.health, self.anomalies = health, health.anomalies
-        self.metrics, self.registry, self.data = metrics, registry, data
-        self.train = train
+        self.health, self.anomalies = setup.health, setup.health.anomalies
+        self.metrics, self.registry, self.data = setup.metrics, setup.registry, setup.data
+        self.train = setup.cfg.train
         self.evaluate, self.epoch_end, self.started = evaluate, epoch_end, started
         self.marks_ahead = False  # a step runner marks survivor copies itself (session.rank_state_final)
         self.step_started = time.perf_counter()

@@ -31,8 +31,7 @@ from elastictrain.core.config_view import ConfigView
 from elastictrain.core.events import Observer, Observers
 from elastictrain.core.states import State, StateMachine
 from elastictrain.data.train_data import Loader
-from elastictrain.dist.collectives import all_gather, all_reduce, any_rank, broadcast_from_main
-from elastictrain.dist.reduce import reduce_means
+from elastictrain.dist.collectives import any_rank
 from elastictrain.train.call_order import CallOrder
 from elastictrain.train.driver import StepDriver
 from elastictrain.train.failure_path import FailurePath
@@ -42,6 +41,7 @@ from elastictrain.train.registry import Registry
 from elastictrain.train.restore_phase import RestorePhase
 from elastictrain.train.runner_link import RunnerLink
 from elastictrain.train.runstate import RunState
+from elastictrain.train.session_collectives import SessionCollectives
 from elastictrain.train.setup_phase import SetupPhase
 from elastictrain.train.step_runner import autocast
 from elastictrain.train.summary import RunSummary
@@ -50,9 +50,10 @@ from elastictrain.train.train_metrics import check_logged
 log = logging.getLogger("elastictrain")
 
 
-class Session:
+class Session(SessionCollectives):
     """One process's part of an elastictrain run. ``config``: a Config, a dict, a YAML path or None
-    (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events."""
+    (the defaults); ``overrides``: ``key.sub=value`` strings on top; ``observers`` get the run's events.
+    Its collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``reduce_metrics``): ``SessionCollectives``."""
 
     def __init__(
         self,
@@ -180,21 +181,7 @@ class Session:
         restored = self._restoring.run(
             self._data, self._evaluate is not None, self._started_unix, self._setting_up.run_steps
         )
-        self._driver = StepDriver(
-            restored,
-            ctx=self._ctx,
-            state=self._state,
-            machine=self._machine,
-            events=self._events,
-            health=self._health,
-            metrics=self._metrics,
-            registry=self._registry,
-            data=self._data,
-            train=self._cfg.train,
-            evaluate=self._evaluate,
-            epoch_end=self._epoch_end,
-            started=self._started,
-        )
+        self._driver = StepDriver(restored, self._setting_up, self._evaluate, self._epoch_end, self._started)
         self._driver.run(self._driver.settled_state())
 
     def registered(self, name: str) -> Any:
@@ -254,25 +241,6 @@ class Session:
             anomalies.agree_ahead,
             lambda flag: any_rank(flag, ctx),
         )
-
-    # -- collectives: every rank calls them, in the same order (dist.collective_timeout_s) ------------------------
-
-    def all_reduce(self, value: Any, op: str = "sum") -> Any:
-        """``value`` (a tensor or a number) reduced over all ranks: ``op`` is sum, max, min or mean."""
-        return all_reduce(value, op, self._calls.context("session.all_reduce()"))
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (any picklable object), in rank order, on every rank."""
-        return all_gather(obj, self._calls.context("session.all_gather()"))
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` (any picklable object) on every rank."""
-        return broadcast_from_main(obj, self._calls.context("session.broadcast()"), src)
-
-    def reduce_metrics(self, metrics: dict[str, float], weight: float = 1) -> dict[str, float]:
-        """Means over all ranks of this rank's ``metrics`` (its own means), each rank weighted by ``weight`` (its
-        sample count): what ``evaluate_with``'s function returns. A rank may lack a name (it saw no sample)."""
-        return reduce_means(metrics, weight, self._calls.context("session.reduce_metrics()"))
 
     # -- the end -----------------------------------------------------------------------------
 
