@@ -38,6 +38,13 @@ ONE_WORKER_PER_PARAM_MODULES = {"test_examples"}
 # chain of minutes collected last runs on one worker while the others are done). Test time in CI on 2 cores:
 # debian-servers ~350 s, test_self_healing ~250 s, test_tracking ~160-200 s, test_chaos ~160 s.
 LONG_GROUPS_FIRST = ("debian-servers", "tests/test_self_healing.py", "tests/test_tracking.py", "tests/test_chaos.py")
+# Then the tests of these files (node id prefixes), in this order: each of their tests takes 20-75 s in CI (mypy's
+# first run ~50 s), so the short tests collected before them would otherwise leave a minute's test to start last.
+LONG_TESTS_NEXT = (
+    "tests/test_fsdp.py", "tests/test_types.py::test_the_package_type_checks", "tests/test_examples.py",
+    "tests/test_run_identity.py", "tests/test_thread_pinning.py", "tests/faults/", "tests/test_fail_fast.py",
+    "tests/test_resume.py", "tests/test_launch_torchrun.py", "tests/test_main_job.py",
+)
 
 
 def xdist_group(nodeid: str) -> str:
@@ -100,9 +107,15 @@ def pytest_collection_modifyitems(items):
 
 
 def first_handed_out(item) -> int:
-    """Sort key: the long groups first (LONG_GROUPS_FIRST), every other test after them in collection order."""
+    """Sort key: the long groups first (LONG_GROUPS_FIRST), then the long tests (LONG_TESTS_NEXT), every other test
+    after them in collection order."""
     group = xdist_group(item.nodeid)
-    return LONG_GROUPS_FIRST.index(group) if group in LONG_GROUPS_FIRST else len(LONG_GROUPS_FIRST)
+    if group in LONG_GROUPS_FIRST:
+        return LONG_GROUPS_FIRST.index(group)
+    for index, prefix in enumerate(LONG_TESTS_NEXT):
+        if item.nodeid.startswith(prefix):
+            return len(LONG_GROUPS_FIRST) + index
+    return len(LONG_GROUPS_FIRST) + len(LONG_TESTS_NEXT)
 
 
 @pytest.fixture(autouse=True)
