@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torch import nn
-
 from elastictrain.core.config import Config
 from elastictrain.core.errors import StorageError
 from elastictrain.core.events import SnapshotReport
@@ -34,17 +32,10 @@ class DurableTier(Snapshotter):
 
     tier = "durable"
 
-    def __init__(
-        self,
-        cfg: Config,
-        ctx: DistContext,
-        model: nn.Module,
-        statefuls: dict[str, Any],
-        train_samples: int | None = None,
-        rank_statefuls: dict[str, Any] | None = None,
-    ) -> None:
+    @staticmethod
+    def settings_from(cfg: Config, ctx: DistContext) -> TierSettings:
         durable = cfg.snapshot.durable
-        settings = TierSettings(
+        return TierSettings(
             url=cfg.durable_snapshot_url,
             storage_options=durable.storage_options,
             retry_for_s=durable.retry_for_s,
@@ -56,10 +47,11 @@ class DurableTier(Snapshotter):
             # the key that set its URL: a run.dir that cannot be written is fixed in run.dir
             url_key="snapshot.durable.url" if durable.url else "run.dir",
         )
-        super().__init__(cfg, ctx, model, statefuls, settings, train_samples, rank_statefuls)
+
+    def _attach(self) -> None:
         self._run_id = ""
         # fsdp: every rank writes its shards into the store (sharded_writes.py), rank 0 commits the manifest after them.
-        self.shard_writes = ShardedWrites(self.sharded, self.store, ctx) if self.sharded is not None else None
+        self.shard_writes = ShardedWrites(self.sharded, self.store, self.ctx) if self.sharded is not None else None
 
     # -- restore ------------------------------------------------------------------------------
 

@@ -16,8 +16,6 @@ import shutil
 import time
 from typing import Any
 
-from torch import nn
-
 from elastictrain.core import failpoints
 from elastictrain.core.config import Config
 from elastictrain.core.errors import ElastictrainError, StorageError
@@ -40,18 +38,11 @@ class LocalTier(Snapshotter):
 
     tier = "local"
 
-    def __init__(
-        self,
-        cfg: Config,
-        ctx: DistContext,
-        model: nn.Module,
-        statefuls: dict[str, Any],
-        train_samples: int | None = None,
-        rank_statefuls: dict[str, Any] | None = None,
-    ) -> None:
+    @staticmethod
+    def settings_from(cfg: Config, ctx: DistContext) -> TierSettings:
         assert cfg.local_snapshot_url is not None  # the fast tier exists only with snapshot.local.url
         local, fsdp = cfg.snapshot.local, cfg.dist.strategy == "fsdp"
-        settings = TierSettings(
+        return TierSettings(
             url=cfg.local_snapshot_url,
             storage_options={},
             retry_for_s=min(2.0, cfg.snapshot.durable.retry_for_s),
@@ -63,12 +54,11 @@ class LocalTier(Snapshotter):
             recycle_keep_last=0 if fsdp else local.keep_last,
             url_key="snapshot.local.url",
         )
-        super().__init__(cfg, ctx, model, statefuls, settings, train_samples, rank_statefuls)
+
+    def _attach(self) -> None:
         self._size_checked = False
-        self._run_name_dir: str | None = (
-            None  # the fast tier's directory of run.name, once joined to the run (join_run)
-        )
-        self.fast_shards = FastShards(self.sharded, ctx) if self.sharded is not None else None
+        self._run_name_dir: str | None = None  # the fast tier's directory of run.name, once joined to the run
+        self.fast_shards = FastShards(self.sharded, self.ctx) if self.sharded is not None else None
 
     def join_run(self, run_id: str) -> str | None:
         """The fast tier, on every rank: keep this node's copies under the run's id (``SnapshotStore.run_id``).

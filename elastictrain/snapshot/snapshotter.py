@@ -78,10 +78,10 @@ class Snapshotter:
         ctx: DistContext,
         model: nn.Module,
         statefuls: dict[str, Any],
-        settings: TierSettings,
         train_samples: int | None = None,
         rank_statefuls: dict[str, Any] | None = None,
     ) -> None:
+        settings = self.settings_from(cfg, ctx)
         self.cfg, self.ctx, self.settings = cfg, ctx, settings
         self.keep_last, self.on_error, self.is_writer = settings.keep_last, settings.on_error, settings.is_writer
         self.asynchronous = settings.asynchronous
@@ -107,6 +107,15 @@ class Snapshotter:
         self.sharded = (
             ShardedState(model, optimizers, settings.storage_options) if cfg.dist.strategy == "fsdp" else None
         )
+        self._attach()
+
+    @staticmethod
+    def settings_from(cfg: Config, ctx: DistContext) -> TierSettings:
+        """Where the tier writes and how, from the config (each tier says)."""
+        raise NotImplementedError
+
+    def _attach(self) -> None:
+        """The tier's own parts, made once the shared ones are (each tier says)."""
 
     def save(self, step: int, meta: dict[str, Any]) -> SnapshotReport | None:
         """Take a snapshot of this step on every rank (the tier says how)."""
