@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from elastictrain.core.states import State
@@ -70,15 +71,30 @@ class TrainInterval:
     )  # each rank's mean wait per step in the gradient all-reduce
 
 
+class Tier(str, Enum):
+    """Which snapshot tier a report is of; a str, so ``Tier.LOCAL == "local"`` and it prints and serialises as one."""
+
+    DURABLE = "durable"  # snapshot.durable: the run's record, written by rank 0
+    LOCAL = "local"  # snapshot.local: a node's fast copy, reported on each node's writer
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class SnapshotReport:
+    """One snapshot of either tier, committed or failed, as observers are told of it (``Observer.snapshotted``)."""
+
     step: int
     committed: bool
     duration_s: float  # training blocked by this snapshot
     size_bytes: int = 0
     error: str | None = None  # one line, when not committed
     write_s: float = 0.0  # an asynchronous snapshot's write in the background (0: written while training waited)
-    tier: str = "durable"  # or "local": a node's fast copy (snapshot.local.url), reported on each node's writer
+    tier: Tier = Tier.DURABLE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", Tier(self.tier))  # an observer's test may say tier="local"
 
 
 class Observer:

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from elastictrain.core.config import MetricsConfig
 from elastictrain.core.errors import ConfigError
-from elastictrain.core.events import Observer, RunInfo, SnapshotReport, TrainInterval
+from elastictrain.core.events import Observer, RunInfo, SnapshotReport, Tier, TrainInterval
 from elastictrain.core.states import State
 from elastictrain.observe.goodput import Goodput
 from elastictrain.observe.stragglers import compute_s_by_rank, others_median_s
@@ -184,7 +184,7 @@ class PrometheusObserver(Observer):
             self.validation_metric.labels(**self._labels, name=key.removeprefix("val_")).set(value)
 
     def snapshotted(self, report: SnapshotReport) -> None:
-        if report.tier != "durable":  # the gauges describe what a relaunch anywhere can restore
+        if report.tier is not Tier.DURABLE:  # the gauges describe what a relaunch anywhere can restore
             return
         labels = self._labels
         if not report.committed:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.core.events import SnapshotReport
+from elastictrain.core.events import SnapshotReport, Tier
 
 log = logging.getLogger("elastictrain")
 
@@ -27,7 +27,7 @@ class CommitOutcome:
     error: str | None = None  # one line, when not committed
     stop: bool = False  # the failure stops the run (snapshot.durable.on_error=stop, a lost lease, a failed write)
 
-    def report(self, step: int, duration_s: float, tier: str, write_s: float = 0.0) -> SnapshotReport:
+    def report(self, step: int, duration_s: float, tier: Tier, write_s: float = 0.0) -> SnapshotReport:
         """The event observers are told of this write."""
         return SnapshotReport(step, self.committed, duration_s, self.size_bytes, self.error, write_s, tier)
 
@@ -74,7 +74,7 @@ class BackgroundWrites:
     ``crash`` keeps a crashed writer's exception so its traceback is raised where it is reported.
     """
 
-    def __init__(self, tier: str) -> None:
+    def __init__(self, tier: Tier) -> None:
         self.tier = tier
         self.in_flight: BackgroundWrite | None = None
         self.failed: str | None = None

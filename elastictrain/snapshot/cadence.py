@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from elastictrain.core.events import Observer, SnapshotReport
+from elastictrain.core.events import Observer, SnapshotReport, Tier
 from elastictrain.core.states import State
 
 log = logging.getLogger("elastictrain")
@@ -123,7 +123,7 @@ class FastTierTimer(Observer):
             self._last = self.clock()
 
     def snapshotted(self, report: SnapshotReport) -> None:
-        if report.tier == "local" and report.committed:
+        if report.tier is Tier.LOCAL and report.committed:
             first = self.auto and not self._announced
             self._costs.append(report.duration_s + report.write_s)
             if first:

@@ -14,7 +14,7 @@ from typing import Any
 
 from elastictrain.core.config import Config
 from elastictrain.core.errors import StorageError
-from elastictrain.core.events import SnapshotReport
+from elastictrain.core.events import SnapshotReport, Tier
 from elastictrain.core.rng import capture_rng
 from elastictrain.dist.collectives import broadcast_from_main, gather_to_main, main_acts
 from elastictrain.dist.group import DistContext
@@ -30,7 +30,7 @@ class DurableTier(Snapshotter):
     """``snapshot.durable``: rank 0 writes the store (every rank its shards under fsdp) and every rank agrees on the
     outcome in one broadcast; a write that fails for good stops the run by default (``snapshot.durable.on_error``)."""
 
-    tier = "durable"
+    tier = Tier.DURABLE
 
     @staticmethod
     def settings_from(cfg: Config, ctx: DistContext) -> TierSettings:

@@ -19,7 +19,7 @@ from typing import Any
 from elastictrain.core import failpoints
 from elastictrain.core.config import Config
 from elastictrain.core.errors import ElastictrainError, StorageError
-from elastictrain.core.events import SnapshotReport
+from elastictrain.core.events import SnapshotReport, Tier
 from elastictrain.core.rng import capture_rng
 from elastictrain.dist.collectives import all_gather, raise_carried
 from elastictrain.dist.group import DistContext
@@ -36,7 +36,7 @@ log = logging.getLogger("elastictrain")
 class LocalTier(Snapshotter):
     """``snapshot.local``: no storage options, no on_error (a fast copy never stops the run), a short retry."""
 
-    tier = "local"
+    tier = Tier.LOCAL
 
     @staticmethod
     def settings_from(cfg: Config, ctx: DistContext) -> TierSettings:

@@ -28,7 +28,7 @@ from torch import nn
 from elastictrain.core import failpoints
 from elastictrain.core.config import Config
 from elastictrain.core.errors import StorageError, StorageUnavailable
-from elastictrain.core.events import SnapshotReport
+from elastictrain.core.events import SnapshotReport, Tier
 from elastictrain.dist.collectives import broadcast_from_main
 from elastictrain.dist.group import DistContext
 from elastictrain.snapshot.background_write import PENDING, BackgroundWrites, CommitOutcome
@@ -70,7 +70,7 @@ class Snapshotter:
     (``TierSettings``) and how its ranks take a snapshot (``save``).
     """
 
-    tier = ""  # the name reports carry (SnapshotReport.tier)
+    tier: Tier  # the tier its reports name (each tier says)
 
     def __init__(
         self,
