@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from elastictrain.core.states import State
 
@@ -79,6 +79,13 @@ class Tier(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Committed(NamedTuple):
+    """The newest committed snapshot a tier knows of."""
+
+    step: int
+    unix: float  # when it was committed (time.time())
 
 
 @dataclass(frozen=True)

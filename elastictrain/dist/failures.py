@@ -21,6 +21,7 @@ from elastictrain.dist import group as dist
 from elastictrain.core.errors import (
     ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, mark_logged, one_line,
 )
+from elastictrain.core.events import Committed
 from elastictrain.core.fatal import claim_line
 from elastictrain.core.repeats import record_crash
 from elastictrain.core.signals import SignalledInSetup, requeue_slurm_job
@@ -77,10 +78,10 @@ def _log_error(exc: BaseException, message: str, *args: object, traceback: bool 
         mark_logged(exc)
 
 
-def report_left_early(rank: str, step: int, last_committed: tuple[int, float] | None, ctx: dist.DistContext | None) -> None:
+def report_left_early(rank: str, step: int, last_committed: Committed | None, ctx: dist.DistContext | None) -> None:
     """A rank left its session (no error) before the run was done: a warning; with peers, also an error for the
     launcher, since they lose this rank and restart, and it would leave at the same step again."""
-    resumes = last_committed[0] if last_committed else "none: a fresh start"
+    resumes = last_committed.step if last_committed else "none: a fresh start"
     if ctx is None or not ctx.distributed:
         log.warning("rank %s left the session at step %d before the run was done; the next launch resumes from the "
                     "newest snapshot (step %s)", rank, step, resumes)

@@ -14,7 +14,7 @@ from typing import Any
 
 from elastictrain.core.config import Config
 from elastictrain.core.errors import StorageError
-from elastictrain.core.events import SnapshotReport, Tier
+from elastictrain.core.events import Committed, SnapshotReport, Tier
 from elastictrain.core.rng import capture_rng
 from elastictrain.dist.collectives import broadcast_from_main, gather_to_main, main_acts
 from elastictrain.dist.group import DistContext
@@ -117,7 +117,7 @@ class DurableTier(Snapshotter):
         if shards_async and not self.ctx.is_main:  # rank 0 started its write: the others write their shards alongside
             self._writes.start(step, 0.0, lambda: self._commit_behind(step, shards))
         if outcome.committed and not self.ctx.is_main:
-            self.last_committed = (step, time.time())  # every rank knows the newest committed step
+            self.last_committed = Committed(step, time.time())  # every rank knows the newest committed step
         if self.asynchronous and outcome.error is None:
             return None
         return outcome.report(step, time.monotonic() - started, self.tier)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch.optim import Optimizer
 
 from elastictrain.core.errors import ConfigError, ElastictrainError, SnapshotError
+from elastictrain.core.events import Committed
 from elastictrain.core.rng import restore_rng, seed_rng
 from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main, broadcast_from_main, main_acts
 from elastictrain.snapshot import fast_restore
@@ -55,7 +56,7 @@ class SnapshotTier(NodeTier, Protocol):
     rank_statefuls: dict[str, Any]
     train_samples: int | None
     sharded: ShardedState | None  # dist.strategy=fsdp
-    last_committed: tuple[int, float] | None
+    last_committed: Committed | None
 
 
 class FastTier(SnapshotTier, Protocol):
@@ -112,15 +113,16 @@ def restore_newest(
     ] = {}  # rank 0: the durable snapshot it read, (manifest, payload), when newer than the fast copies
 
     def newest_durable() -> Manifest | None:
-        if rollback and newest_local >= 0 and (durable.last_committed or (-1,))[0] <= newest_local:
+        written = durable.last_committed
+        if rollback and newest_local >= 0 and (written.step if written else -1) <= newest_local:
             # This process wrote the durable store's newest (its writes are finished): a fast copy as new is
             # enough, and the store, which may not answer now, need not be read for a transient fault to heal.
             pass
         elif resume:
             read["found"] = durable.store.latest_valid(newer_than=newest_local)
             if read["found"] is None:  # a fast copy or nothing: timed durable snapshots count from the store's newest
-                committed = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None]
-                durable.last_committed = (committed[-1].step, committed[-1].created_unix) if committed else None
+                newest = [s.manifest for s in durable.store.list_snapshots() if s.manifest is not None][-1:]
+                durable.last_committed = Committed(newest[0].step, newest[0].created_unix) if newest else None
         elif durable.store.list_snapshots():
             # A fresh run writing beside another run's snapshots would mix the two.
             raise SnapshotError(
@@ -141,7 +143,7 @@ def restore_newest(
         )
         objects = broadcast_bytes_from_main(sent, durable.ctx)
         load_snapshot(durable, manifest, objects, f"snapshot {durable.store.url}/{manifest.snapshot_id}", keep)
-        durable.last_committed = (manifest.step, manifest.created_unix)
+        durable.last_committed = Committed(manifest.step, manifest.created_unix)
     elif (
         shard_copy is not None
     ):  # fsdp: the files the nodes hold together, brought to every node, each rank reading its part

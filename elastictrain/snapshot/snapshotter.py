@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch import nn
 from elastictrain.core import failpoints
 from elastictrain.core.config import Config
 from elastictrain.core.errors import StorageError, StorageUnavailable
-from elastictrain.core.events import SnapshotReport, Tier
+from elastictrain.core.events import Committed, SnapshotReport, Tier
 from elastictrain.dist.collectives import broadcast_from_main
 from elastictrain.dist.group import DistContext
 from elastictrain.snapshot.background_write import PENDING, BackgroundWrites, CommitOutcome
@@ -61,6 +61,13 @@ class TierSettings:
     asynchronous: bool  # staged at the step boundary, written on a thread
     recycle_keep_last: int  # the store reuses pruned snapshots' files (storage/snapshot_store.py)
     url_key: str  # the key a message about the tier's store tells the user to change
+
+
+class Behind(NamedTuple):
+    """Snapshots are behind: since this step's was not committed, at this time."""
+
+    step: int
+    unix: float
 
 
 class Snapshotter:
@@ -97,8 +104,8 @@ class Snapshotter:
             recycle_keep_last=settings.recycle_keep_last,
             url_key=settings.url_key,
         )
-        self.last_committed: tuple[int, float] | None = None  # (step, unix time) of the newest committed snapshot
-        self._behind_since: tuple[int, float] | None = None  # first failed snapshot while behind
+        self.last_committed: Committed | None = None  # the newest committed snapshot
+        self._behind_since: Behind | None = None  # the first snapshot not committed while behind
         self._lease: LeaseKeeper | None = None
         self._stager = Stager()  # async writes: stage into reused buffers, write in a thread, one at a time
         self._writes = BackgroundWrites(self.tier)  # fsdp: on every rank, each writing its shards
@@ -206,7 +213,7 @@ class Snapshotter:
             self.raise_write_failure()
         committed = [report.step for report in reports if report.committed]
         if committed and not self.ctx.is_main:
-            self.last_committed = (committed[-1], time.time())
+            self.last_committed = Committed(committed[-1], time.time())
         return reports
 
     # -- the commit itself (rank 0) -----------------------------------------------------------
@@ -236,7 +243,7 @@ class Snapshotter:
         except StorageError as exc:
             stop = not isinstance(exc, StorageUnavailable) and self.on_error == "stop"
             return CommitOutcome(error=self._fell_behind(step, exc, stop), stop=stop)
-        self.last_committed = (step, manifest.created_unix)
+        self.last_committed = Committed(step, manifest.created_unix)
         try:
             pruned = self.store.prune(self.keep_last)
         except StorageError as exc:  # old snapshots stay a little longer; the new one is safe
@@ -252,20 +259,20 @@ class Snapshotter:
             f" (pruned {', '.join(pruned)})" if pruned else "",
         )
         if self._behind_since is not None:
-            log.info("snapshots caught up at step %d after %.0f s behind", step, time.time() - self._behind_since[1])
+            log.info("snapshots caught up at step %d after %.0f s behind", step, time.time() - self._behind_since.unix)
             self._behind_since = None
         return CommitOutcome(committed=True, size_bytes=size)
 
     def _fell_behind(self, step: int, exc: StorageError, stop: bool) -> str:
         if self._behind_since is None:
-            self._behind_since = (step, time.time())
+            self._behind_since = Behind(step, time.time())
         if self.last_committed is None:
             last = "no snapshot of this run is committed yet"
         else:
-            last_step, last_unix = self.last_committed
+            newest = self.last_committed
             last = (
-                f"the newest committed one is step {last_step} from {time.strftime('%H:%M:%S', time.localtime(last_unix))}, "
-                f"{time.time() - last_unix:.0f} s ago"
+                f"the newest committed one is step {newest.step} from "
+                f"{time.strftime('%H:%M:%S', time.localtime(newest.unix))}, {time.time() - newest.unix:.0f} s ago"
             )
         if stop:
             return (
@@ -277,7 +284,7 @@ class Snapshotter:
             "and the next snapshot interval tries again",
             step,
             exc,
-            self._behind_since[0],
+            self._behind_since.step,
             last,
         )
         return str(exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from elastictrain.core.config import Config
-from elastictrain.core.events import Observers
+from elastictrain.core.events import Committed, Observers
 from elastictrain.core.signals import PREEMPTED_EXIT_CODE, PreemptionSignals, requeue_slurm_job
 from elastictrain.dist.group import DistContext
 from elastictrain.dist.sync_timer import GradientSyncTimer
@@ -88,7 +88,7 @@ class Health:
         )
         self.events.preempt_requested(self.signals.requested, step)
 
-    def preempted(self, step: int, last_committed: tuple[int, float] | None) -> None:
+    def preempted(self, step: int, last_committed: Committed | None) -> None:
         """PREEMPTED: one line on rank 0 saying what the next launch resumes from; SLURM requeue if asked."""
         if self.signals.repeats:
             log.warning(
@@ -98,7 +98,7 @@ class Health:
             )
         if not self.ctx.is_main:
             return
-        if last_committed is not None and last_committed[0] == step:
+        if last_committed is not None and last_committed.step == step:
             log.warning(
                 "preempted at step %d: snapshot committed, exiting with code %d; the same command resumes "
                 "from step %d with nothing lost",
@@ -107,7 +107,7 @@ class Health:
                 step,
             )
         else:
-            resume_step = last_committed[0] if last_committed is not None else 0
+            resume_step = last_committed.step if last_committed is not None else 0
             log.error(
                 "preempted at step %d, but its snapshot could not be committed; the next launch resumes "
                 "from step %d (%d steps lost)",

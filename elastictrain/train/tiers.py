@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from elastictrain.core.config import Config
-from elastictrain.core.events import Observers, SnapshotReport
+from elastictrain.core.events import Committed, Observers, SnapshotReport
 from elastictrain.dist.group import DistContext
 from elastictrain.health.replicas import ReplicaCheck
 from elastictrain.snapshot.cadence import COST_KEY, FastTierTimer
@@ -81,7 +81,7 @@ class SnapshotTiers:
         return self.durable.url
 
     @property
-    def last_committed(self) -> tuple[int, float] | None:
+    def last_committed(self) -> Committed | None:
         return self.durable.last_committed
 
     def restore(self) -> Restored | None:
@@ -104,7 +104,7 @@ class SnapshotTiers:
         # snapshot.durable.every_s counts from the durable store's newest snapshot (the run's first start
         # while it has none), not from this attempt: a job failing more often still gets durable snapshots.
         durable = self.durable.last_committed
-        since_unix = durable[1] if durable else self.state.run_log.attempts[0].get("started_unix", started_unix)
+        since_unix = durable.unix if durable else self.state.run_log.attempts[0].get("started_unix", started_unix)
         self._last_durable = time.monotonic() - max(time.time() - since_unix, 0.0)
         if self.fast_timer is not None:
             self.fast_timer.begin(self.state.run_log.attempts)
@@ -195,7 +195,7 @@ class SnapshotTiers:
             self.replicas.check(step, "the run's end")
         # The node's memory is given back when the run is done, or stops with its step in the durable store.
         last = self.durable.last_committed
-        if self.local is not None and (done or (last is not None and last[0] == step)):
+        if self.local is not None and (done or (last is not None and last.step == step)):
             self.local.clear()
 
     def close(self) -> None:
