@@ -141,11 +141,11 @@ class DurableTier(Snapshotter):
         """fsdp with async_write, every rank's writer thread: its staged shards written (``sharded_writes.py``); rank 0
         commits the manifest last, once every rank's shards are written."""
         assert self.shard_writes is not None  # fsdp's durable tier
-        written, error = self.shard_writes.write_behind(step, shards)
+        files = self.shard_writes.write_behind(step, shards)
         if not self.ctx.is_main:
             return PENDING  # rank 0 reports the outcome
-        if error is not None:
+        if files.error is not None:
             stop = self.on_error == "stop"
-            return CommitOutcome(error=self._fell_behind(step, StorageError(error), stop), stop=stop)
+            return CommitOutcome(error=self._fell_behind(step, StorageError(files.error), stop), stop=stop)
         assert state is not None and meta is not None  # rank 0 passes them
-        return self._commit(step, None, state, meta, time.monotonic(), written)
+        return self._commit(step, None, state, meta, time.monotonic(), files.written)

@@ -28,9 +28,8 @@ import torch.distributed as dist
 from elastictrain.core.errors import StorageError
 from elastictrain.dist.collectives import all_gather, broadcast_bytes_from_main
 from elastictrain.dist.group import DistContext
-from elastictrain.snapshot.sharded import ShardedState
+from elastictrain.snapshot.sharded import ShardedState, ShardFiles
 from elastictrain.storage.hashing import checksum_bytes
-from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 METADATA = ".metadata"  # DCP's index of the shards
@@ -61,12 +60,10 @@ def origin_rank(name: str) -> int | None:
 
 
 @dataclass
-class NodeCopy:
+class NodeCopy(ShardFiles):
     """What one fast copy left on this node: on its writer, every file its ranks wrote or received, and why not."""
 
-    written: dict[str, ObjectEntry] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # the manifest's: which files are the peer's, every shard's name
-    error: str | None = None
 
 
 class FastShards:
@@ -112,28 +109,26 @@ class FastShards:
             return NodeCopy(error=str(exc))
         # This rank's files read back once (DCP records no checksums; they are in the page cache): hashed, and sent on.
         own: dict[str, bytes] = {}
-        error: str | None = None
+        held = ShardFiles()  # what this rank wrote or received, hashed
         try:
             own = {name: _read(prefix, name) for name in shards if origin_rank(name) == self.ctx.rank}
             metadata = {METADATA: _read(prefix, METADATA)} if self.ctx.is_main else {}
         except OSError as exc:
-            own, metadata, error = {}, {}, f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
-        held = {name: checksum_bytes(data) for name, data in {**own, **metadata}.items()}
+            own, metadata = {}, {}
+            held.error = f"rank {self.ctx.rank} could not read back its shards in {prefix}: {exc}"
+        held.written = {name: checksum_bytes(data) for name, data in {**own, **metadata}.items()}
         # DCP's coordinator (rank 0) wrote .metadata on its node alone; every other node's writer keeps its bytes too.
         sent = broadcast_bytes_from_main(metadata if self.ctx.is_main else None, self.ctx).get(METADATA)
-        if is_writer and node != nodes[0] and error is None:
-            error = (
-                "rank 0 could not read back DCP's .metadata"
-                if sent is None
-                else _keep(held, METADATA, _write(prefix, METADATA, sent))
-            )
-        received, peer_error = self._exchange(prefix, own, peers)
-        held.update(received)
-        error = error or peer_error
-        shares = all_gather((node, held, error), self.ctx)
-        mine = [(h, e) for n, h, e in shares if n == node]
-        copy = NodeCopy({name: entry for h, _ in mine for name, entry in h.items()})
-        copy.error = next((e for _, e in mine if e is not None), None)
+        if is_writer and node != nodes[0] and held.error is None:
+            if sent is None:
+                held.error = "rank 0 could not read back DCP's .metadata"
+            else:
+                held.keep(_write(prefix, METADATA, sent))
+        held.keep(self._exchange(prefix, own, peers))
+        shares = all_gather((node, held), self.ctx)
+        copy = NodeCopy()
+        for _, share in (s for s in shares if s[0] == node):
+            copy.keep(share)
         copy.meta = {
             "node": node,
             "nodes": nodes,
@@ -142,11 +137,9 @@ class FastShards:
         }
         return copy
 
-    def _exchange(
-        self, prefix: str, own: dict[str, bytes], peers: list[int | None]
-    ) -> tuple[dict[str, ObjectEntry], str | None]:
+    def _exchange(self, prefix: str, own: dict[str, bytes], peers: list[int | None]) -> ShardFiles:
         """Send this rank's shard files (``own``: their bytes) to its peer, receive those of the ranks it keeps into
-        this node's ``prefix``; (what it received, why not)."""
+        this node's ``prefix``; what it received, and why not."""
         senders = [rank for rank, peer in enumerate(peers) if peer == self.ctx.rank and rank != self.ctx.rank]
         mine_to_send = own if peers[self.ctx.rank] is not None else {}
         offered = (
@@ -166,12 +159,11 @@ class FastShards:
         for work in works:
             assert work is not None  # None only on a rank outside the group
             work.wait()
-        received: dict[str, ObjectEntry] = {}
-        error: str | None = None
+        received = ShardFiles()
         for name, buffer in buffers:
-            if error is None:
-                error = _keep(received, name, _write(prefix, name, buffer.cpu().numpy().tobytes()))
-        return received, error
+            if received.error is None:
+                received.keep(_write(prefix, name, buffer.cpu().numpy().tobytes()))
+        return received
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.ctx.device) if self.ctx.backend == "nccl" else tensor
@@ -182,22 +174,14 @@ def _read(prefix: str, name: str) -> bytes:
         return handle.read()
 
 
-def _write(prefix: str, name: str, data: bytes) -> tuple[str | None, ObjectEntry | None]:
-    """Write a file another rank sent into this node's prefix (no manifest there yet: it is torn until the commit);
-    (why not, or None; its size and checksum)."""
+def _write(prefix: str, name: str, data: bytes) -> ShardFiles:
+    """Write a file another rank sent into this node's prefix (no manifest there yet: it is torn until the commit):
+    its size and checksum, or why not."""
     try:
         with open(os.path.join(prefix, name), "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as exc:
-        return f"{name} could not be written into {prefix}: {exc}", None
-    return None, checksum_bytes(data)
-
-
-def _keep(into: dict[str, ObjectEntry], name: str, written: tuple[str | None, ObjectEntry | None]) -> str | None:
-    """Record a file ``_write`` wrote in ``into``; why it could not be written, or None."""
-    error, entry = written
-    if entry is not None:
-        into[name] = entry
-    return error
+        return ShardFiles(error=f"{name} could not be written into {prefix}: {exc}")
+    return ShardFiles({name: checksum_bytes(data)})

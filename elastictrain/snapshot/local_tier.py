@@ -18,10 +18,10 @@ from typing import Any
 
 from elastictrain.core import failpoints
 from elastictrain.core.config import Config
-from elastictrain.core.errors import ElastictrainError, StorageError
+from elastictrain.core.errors import ConfigError, ElastictrainError, StorageError
 from elastictrain.core.events import SnapshotReport, Tier
 from elastictrain.core.rng import capture_rng
-from elastictrain.dist.collectives import all_gather, raise_carried
+from elastictrain.dist.collectives import CarriedError, all_gather, carried, raise_carried
 from elastictrain.dist.group import DistContext
 from elastictrain.snapshot.background_write import CommitOutcome
 from elastictrain.snapshot.fast_shards import FastShards
@@ -136,19 +136,19 @@ class LocalTier(Snapshotter):
         """
         started = time.monotonic()
         mine = {"rng": capture_rng(self.ctx.device), **self.rank_state()}
-        refused = None
+        refused: CarriedError | None = None
         if self.fast_shards is not None:
             self.fast_shards.measure()  # every rank, at the first copy: the ranks' nodes and shard sizes (a collective)
         if self.is_writer:
             self._writes.join()  # the previous fast copy: a crash of its writer stops every rank now
             if self._writes.failed is not None:
-                refused = ("StorageError", self._writes.failed)
+                refused = carried(StorageError(self._writes.failed))
             elif not self._size_checked:
                 # Only before the run's first copy on this node: a tier that held one fits, and one full for now
                 # (another tenant of the node's memory) at a restart fails its copies with a warning, as any failed
                 # fast copy does, instead of stopping the run with a config error no restart can fix.
                 fits = None if self._holds_a_copy() else self._check_fits([mine] * self.ctx.world_size)
-                refused = None if fits is None else ("ConfigError", fits)
+                refused = None if fits is None else carried(ConfigError(fits))
                 self._size_checked = True
         exchanged = all_gather((mine, refused), self.ctx)
         rank_states = [ranks for ranks, _ in exchanged]

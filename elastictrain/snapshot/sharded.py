@@ -21,6 +21,7 @@ needs them to find a torn or corrupt shard before anything is loaded.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +46,19 @@ _SINGLE_PROCESS_WARNING = (
     r"torch\.distributed is disabled, unavailable or uninitialized, "
     r"assuming the intent is to (save|load) in a single process"
 )
+
+
+@dataclass
+class ShardFiles:
+    """Shard files written (or received) for a snapshot: each one's size and checksum, and why not all were."""
+
+    written: dict[str, ObjectEntry] = field(default_factory=dict)
+    error: str | None = None  # one line: the first file that could not be written or read back
+
+    def keep(self, files: ShardFiles) -> None:
+        """Add what ``files`` wrote; its error, if this has none yet."""
+        self.written.update(files.written)
+        self.error = self.error or files.error
 
 
 def _quiet_single_process_warning() -> None:

@@ -19,7 +19,7 @@ from elastictrain.core import failpoints
 from elastictrain.core.errors import StorageError
 from elastictrain.dist.collectives import broadcast_from_main, gather_to_main
 from elastictrain.dist.group import DistContext
-from elastictrain.snapshot.sharded import ShardedState
+from elastictrain.snapshot.sharded import ShardedState, ShardFiles
 from elastictrain.storage.manifest import ObjectEntry
 from elastictrain.storage.snapshot_store import SnapshotStore
 
@@ -46,10 +46,10 @@ class ShardedWrites:
         shares = gather_to_main(mine, self.ctx)
         return {name: entry for share in shares for name, entry in share.items()} if shares is not None else None
 
-    def write_behind(self, step: int, shards: dict[str, Any]) -> tuple[dict[str, ObjectEntry] | None, str | None]:
+    def write_behind(self, step: int, shards: dict[str, Any]) -> ShardFiles:
         """Every rank's writer thread: its staged ``shards`` into the step's prefix over ``side_group``. Rank 0
-        returns (every rank's checksums, None) once every rank's shards are written, or (None, the first error);
-        the other ranks (None, None). A rank killed meanwhile leaves rank 0 waiting for nothing: no manifest."""
+        returns every rank's checksums once every rank's shards are written, or the first error; the other ranks
+        nothing (rank 0 reports). A rank killed meanwhile leaves rank 0 waiting for nothing: no manifest."""
         group = self._group
         error, mine = broadcast_from_main(self._clear_prefix(step), self.ctx, group=group), {}
         failpoints.hit("shards-write", step)  # tests: hold a writer thread before its shards are written
@@ -60,13 +60,11 @@ class ShardedWrites:
                 )
             except StorageError as exc:
                 error = str(exc)
-        shares = gather_to_main((mine, error), self.ctx, group=group)
-        if shares is None:  # not rank 0
-            return None, None
-        errors = [error for _, error in shares if error is not None]
-        if errors:
-            return None, errors[0]
-        return {name: entry for share, _ in shares for name, entry in share.items()}, None
+        shares = gather_to_main(ShardFiles(mine, error), self.ctx, group=group)
+        every = ShardFiles()
+        for share in shares or []:  # rank 0: every rank's share; the others: none
+            every.keep(share)
+        return every
 
     def side_group(self) -> Any:
         """The process group of the writer threads, made at the first background save by every rank's training thread."""
