@@ -46,6 +46,12 @@ def test_a_slot_reads_back_its_newest_record_and_a_torn_write_leaves_the_one_bef
         newest.write_bytes(newest.read_bytes()[:-10])
         assert slots.read(0) == {"step": 2}
         assert slots.read(1) is None  # a rank that never wrote
+        # A record of the full length whose bytes changed fails its checksum: the one before is read.
+        slots.write({"step": 4, "pad": "y" * 1000})
+        slots.write({"step": 5, "pad": "z" * 1000})
+        newest = next(p for p in tmp_path.glob("rank-0.*") if b"zzz" in p.read_bytes())
+        newest.write_bytes(newest.read_bytes().replace(b"zzz", b"zzy", 1))
+        assert slots.read(0) == {"step": 4, "pad": "y" * 1000}
     finally:
         slots.close()
 

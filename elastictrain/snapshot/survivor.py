@@ -42,7 +42,6 @@ import logging
 import os
 import pickle
 import struct
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,10 +50,13 @@ import torch
 from elastictrain.core.progress import History, Progress
 from elastictrain.core.rng import capture_rng_compact, rng_from_compact
 from elastictrain.snapshot.local_tier import LocalTier
+from elastictrain.storage.hashing import checksum_bytes, mismatch
+from elastictrain.storage.manifest import CHECKSUM, ObjectEntry
 
 log = logging.getLogger("elastictrain")
 
-_HEADER = struct.Struct("<QQI")  # sequence number, payload length, crc32 of the payload
+_DIGEST = len(checksum_bytes(b"").digest)  # the payload's checksum: storage/hashing.py's, as every snapshot object's
+_HEADER = struct.Struct(f"<QQ{_DIGEST}s")  # sequence number, payload length, its checksum (hex)
 _SLOT_DIR = ".survivor-slots"
 
 
@@ -84,7 +86,8 @@ class StepSlots:
     def write(self, record: dict[str, Any]) -> None:
         payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
         self._sequence += 1
-        header = _HEADER.pack(self._sequence, len(payload), zlib.crc32(payload))
+        entry = checksum_bytes(payload)
+        header = _HEADER.pack(self._sequence, entry.size, entry.digest.encode())
         os.pwrite(self._fds[self._sequence % 2], header + payload, 0)
 
     def read(self, rank: int, want: tuple[int, int, str] | None = None) -> dict[str, Any] | None:
@@ -106,9 +109,9 @@ class StepSlots:
                 continue
             if len(data) < _HEADER.size:
                 continue
-            sequence, length, crc = _HEADER.unpack_from(data)
+            sequence, length, digest = _HEADER.unpack_from(data)
             payload = data[_HEADER.size : _HEADER.size + length]
-            if len(payload) != length or zlib.crc32(payload) != crc:
+            if mismatch(ObjectEntry(length, CHECKSUM, digest.decode("ascii", "replace")), checksum_bytes(payload)):
                 continue  # torn by a kill in the middle of its write
             found.append((sequence, pickle.loads(payload)))
         return [record for _, record in sorted(found, key=lambda item: item[0], reverse=True)]
