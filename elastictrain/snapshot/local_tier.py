@@ -27,7 +27,7 @@ from elastictrain.snapshot.background_write import CommitOutcome
 from elastictrain.snapshot.fast_shards import FastShards
 from elastictrain.snapshot.format import tensors_in
 from elastictrain.snapshot.snapshotter import Snapshotter, TierSettings
-from elastictrain.storage.manifest import Manifest
+from elastictrain.storage.manifest import Verified
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 log = logging.getLogger("elastictrain")
@@ -94,7 +94,7 @@ class LocalTier(Snapshotter):
             )
         return None
 
-    def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None:
+    def newest_local(self) -> Verified | None:
         """This node's newest fast copy that verifies, or None. Read on each node's writer, and on every rank when the
         job runs on one node (``restore.py``: then nothing is sent)."""
         if not self.is_writer:

@@ -29,7 +29,7 @@ from elastictrain.snapshot.resume_checks import (
     start_fresh_advice,
     warn_on_changed_hyperparameters,
 )
-from elastictrain.storage.manifest import Manifest
+from elastictrain.storage.manifest import Manifest, Verified
 
 if TYPE_CHECKING:
     from torch import nn
@@ -64,7 +64,7 @@ class FastTier(SnapshotTier, Protocol):
 
     def join_run(self, run_id: str) -> str | None: ...
 
-    def newest_local(self) -> tuple[Manifest, dict[str, bytes]] | None: ...
+    def newest_local(self) -> Verified | None: ...
 
     def clear(self) -> None: ...
 
@@ -89,7 +89,7 @@ def restore_newest(
     rollback = bool(keep)
     resume = durable.cfg.snapshot.resume or rollback
     local_steps: tuple[int, ...] = (-1,)
-    local_found: tuple[Manifest, dict[str, bytes]] | None = None
+    local_found: Verified | None = None
     shard_offers: dict[fast_restore.CopyKey, fast_restore.NodeOffer] = {}  # this rank's
     every_offer: list[dict[fast_restore.CopyKey, fast_restore.NodeOffer]] = []  # every rank's
     shard_copy: fast_restore.CopyKey | None = None
@@ -104,7 +104,8 @@ def restore_newest(
             shard_offers = fast_restore.offer(fast)
         elif fast.is_writer or len(set(nodes)) == 1:  # on one node every rank reads its copy at once: none is sent
             local_found = fast.newest_local()
-        local_steps, offers = zip(*all_gather((local_found[0].step if local_found else -1, shard_offers), durable.ctx))
+        local_step = local_found.manifest.step if local_found else -1
+        local_steps, offers = zip(*all_gather((local_step, shard_offers), durable.ctx))
         every_offer = list(offers)
         shard_copy = fast_restore.choose(every_offer) if fast.sharded is not None else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
@@ -129,15 +130,16 @@ def restore_newest(
                 f"snapshot.resume=false but {durable.store.url} already holds snapshots; "
                 f"{start_fresh_advice(durable.cfg)}, or remove them — nothing was deleted"
             )
-        return read["found"][0] if read.get("found") else None
+        return read["found"].manifest if read.get("found") else None
 
     manifest = main_acts(newest_durable, durable.ctx)
     found = read.get("found")
     if manifest is not None:  # the durable store's is the newest: rank 0 read it
         local_found = None  # an older fast copy read here: not held while the durable one arrives
         # A sharded snapshot's shards stay where they are: every rank reads its own part of them (sharded.py).
+        sharded = manifest.meta.get("sharded")
         sent = (
-            {name: data for name, data in found[1].items() if not manifest.meta.get("sharded") or name == STATE_OBJECT}
+            {name: data for name, data in found.objects.items() if not sharded or name == STATE_OBJECT}
             if found
             else None
         )
@@ -161,7 +163,7 @@ def restore_newest(
     elif newest_local >= 0:  # a node's fast copy: the lowest rank holding the newest one read it
         assert fast is not None  # only the fast tier has node copies
         holder = local_steps.index(newest_local)
-        manifest = broadcast_from_main(local_found[0] if local_found else None, durable.ctx, src=holder)
+        manifest = broadcast_from_main(local_found.manifest if local_found else None, durable.ctx, src=holder)
         objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
         load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
         log.info(
@@ -183,7 +185,7 @@ def node_copy_objects(
     fast: FastTier,
     ctx: DistContext,
     manifest: Manifest,
-    found: tuple[Manifest, dict[str, bytes]] | None,
+    found: Verified | None,
     holder: int,
     nodes: list[int],
 ) -> tuple[dict[str, Any], str]:
@@ -199,9 +201,9 @@ def node_copy_objects(
     """
     if len(set(nodes)) == 1:  # the holder's node: as restore_newest chose who reads
         own, problem = None, None
-        if found is not None and (found[0].snapshot_id, found[0].objects) == (manifest.snapshot_id, manifest.objects):
-            own = found[1]
-        else:
+        if found is not None and found.manifest.snapshot_id == manifest.snapshot_id:
+            own = found.objects if found.manifest.objects == manifest.objects else None  # the copy the holder read
+        if own is None:
             try:
                 read_manifest, own = fast.store.read_verified(manifest.snapshot_id)
                 if read_manifest.objects != manifest.objects:
@@ -218,7 +220,7 @@ def node_copy_objects(
             holder,
         )
     received = broadcast_bytes_from_main(
-        found[1] if ctx.rank == holder and found is not None else None, ctx, src=holder
+        found.objects if ctx.rank == holder and found is not None else None, ctx, src=holder
     )
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 

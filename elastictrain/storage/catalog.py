@@ -16,7 +16,7 @@ import time
 
 from elastictrain.core.errors import SnapshotError
 from elastictrain.storage.hashing import checksum_bytes, mismatch
-from elastictrain.storage.manifest import MANIFEST_NAME, SNAPSHOT_ID, Manifest, SnapshotListing
+from elastictrain.storage.manifest import MANIFEST_NAME, SNAPSHOT_ID, Manifest, SnapshotListing, Verified
 from elastictrain.storage.store_client import StoreClient
 
 log = logging.getLogger("elastictrain.storage.snapshot_store")
@@ -81,7 +81,7 @@ class Catalog:
             raise SnapshotError(f"manifest {where} belongs to snapshot {manifest.snapshot_id!r}")
         return manifest
 
-    def read_verified(self, snapshot_id: str) -> tuple[Manifest, dict[str, bytes]]:
+    def read_verified(self, snapshot_id: str) -> Verified:
         """Read a snapshot, checking each object's size and checksum; SnapshotError if one differs."""
         where = self.client.where(snapshot_id)
         corrupt = f"snapshot {where} is corrupt"
@@ -114,9 +114,9 @@ class Catalog:
                 ", ".join(sorted({entry.algorithm for entry in manifest.objects.values()})),
                 verify_s,
             )
-            return manifest, payload
+            return Verified(manifest, payload)
 
-    def latest_valid(self, newer_than: int = -1) -> tuple[Manifest, dict[str, bytes]] | None:
+    def latest_valid(self, newer_than: int = -1) -> Verified | None:
         """Newest snapshot above step ``newer_than`` that verifies; None if there are none, SnapshotError if none verifies."""
         with self.client.operation(f"cannot read snapshots under {self.client.url}"):
             listings = [listing for listing in self.list_snapshots() if listing.step > newer_than]

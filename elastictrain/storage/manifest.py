@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -107,6 +107,13 @@ class Manifest:
                     f"not know (it knows {', '.join(sorted(CHECKSUMS))}); upgrade elastictrain to resume from it"
                 )
         return manifest
+
+
+class Verified(NamedTuple):
+    """A snapshot read back whole: its manifest and every object's bytes, each checked against the manifest."""
+
+    manifest: Manifest
+    objects: dict[str, bytes]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from elastictrain.storage.catalog import Catalog
 from elastictrain.storage.commit import Committer, Writer
 from elastictrain.storage.hashing import CommitTimings
 from elastictrain.storage.lease import StoreLease, run_id
-from elastictrain.storage.manifest import Manifest, ObjectEntry, SnapshotListing, snapshot_id_for_step
+from elastictrain.storage.manifest import Manifest, ObjectEntry, SnapshotListing, Verified, snapshot_id_for_step
 from elastictrain.storage.store_client import StoreClient
 
 
@@ -103,11 +103,11 @@ class SnapshotStore:
         """List step-* prefixes holding at least one object, oldest first, each with its manifest or why it has none."""
         return self.catalog.list_snapshots()
 
-    def read_verified(self, snapshot_id: str) -> tuple[Manifest, dict[str, bytes]]:
+    def read_verified(self, snapshot_id: str) -> Verified:
         """Read a snapshot, checking each object's size and checksum; SnapshotError if one differs."""
         return self.catalog.read_verified(snapshot_id)
 
-    def latest_valid(self, newer_than: int = -1) -> tuple[Manifest, dict[str, bytes]] | None:
+    def latest_valid(self, newer_than: int = -1) -> Verified | None:
         """Newest snapshot above step ``newer_than`` that verifies; None if there are none, SnapshotError if none verifies."""
         return self.catalog.latest_valid(newer_than)
 
