@@ -10,10 +10,8 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.core import errors
+from elastictrain.core.errors import ElastictrainError, UsageError
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import ElastictrainError
-from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import UsageError
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -112,7 +110,9 @@ def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContex
         if sending:
             with warnings.catch_warnings():  # the bytes are only read: not being writable is fine
                 warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(payloads[name], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+                tensor = (
+                    torch.frombuffer(payloads[name], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+                )
         else:
             tensor = torch.empty(size, dtype=torch.uint8)
         on_device = tensor.to(ctx.device) if ctx.backend == "nccl" else tensor

@@ -12,13 +12,15 @@ from typing import Any
 
 from torch import nn
 
-from elastictrain.dist import fsdp
 from elastictrain.core.config import DistConfig
-from elastictrain.dist.group import DistContext
 from elastictrain.core.errors import ConfigError
+from elastictrain.dist import fsdp
+from elastictrain.dist.group import DistContext
 
 
-def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> nn.Module:
+def wrap_model(
+    model: nn.Module, ctx: DistContext, cfg: DistConfig, environ: Mapping[str, str] | None = None
+) -> nn.Module:
     """Move to the device; under DDP convert BatchNorm if asked and wrap; under FSDP shard (fsdp.py)."""
     model.to(ctx.device)
     if not ctx.distributed:

@@ -17,20 +17,27 @@ import re
 
 import torch
 
-from elastictrain.dist import group as dist
 from elastictrain.core.errors import (
-    ElastictrainError, PeerLost, RepeatedCrash, RepeatedFatalError, UsageError, mark_logged, one_line,
+    ElastictrainError,
+    PeerLost,
+    RepeatedCrash,
+    RepeatedFatalError,
+    UsageError,
+    mark_logged,
+    one_line,
 )
 from elastictrain.core.events import Committed
 from elastictrain.core.fatal import claim_line
 from elastictrain.core.repeats import record_crash
 from elastictrain.core.signals import SignalledInSetup, requeue_slurm_job
+from elastictrain.dist import group as dist
 
 log = logging.getLogger("elastictrain")
 
 
-def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: dist.DistContext | None,
-                   requeue: bool) -> ElastictrainError | None:
+def report_failure(
+    exc: BaseException, rank: str, state: str, step: int, ctx: dist.DistContext | None, requeue: bool
+) -> ElastictrainError | None:
     """Log why this rank stopped; what to raise instead of ``exc``: ``PeerLost`` when a peer was lost,
     ``RepeatedCrash`` when an earlier attempt crashed the same way."""
     if isinstance(exc, SignalledInSetup):  # no traceback: the launcher (or the user) asked it to stop
@@ -48,11 +55,15 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
     elif is_peer_loss(exc):
         fatal = dist.recorded_fatal_error(ctx)
         if fatal is not None:  # the peer stopped on purpose: its error is the cause, not the connection it closed
-            lost = PeerLost(f"rank {rank} stopped in state {state} at step {step} because rank {fatal['rank']} stopped "
-                            f"on a {fatal['kind']} no restart can fix (its line is above)")
+            lost = PeerLost(
+                f"rank {rank} stopped in state {state} at step {step} because rank {fatal['rank']} stopped "
+                f"on a {fatal['kind']} no restart can fix (its line is above)"
+            )
         else:
-            lost = PeerLost(f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); "
-                            "the launcher restarts the group from the newest snapshot")
+            lost = PeerLost(
+                f"rank {rank} lost a peer in state {state} at step {step} ({peer_loss_reason(str(exc))}); "
+                "the launcher restarts the group from the newest snapshot"
+            )
         _log_error(lost, "%s", lost)
         return lost
     else:
@@ -61,7 +72,8 @@ def report_failure(exc: BaseException, rank: str, state: str, step: int, ctx: di
             repeated = RepeatedCrash(
                 f"{one_line(exc, 300, kind=True)} again in state {state} at step {step}, as in "
                 f"attempt {first.restart} on rank {first.rank} (its traceback is above): a restart replays the same "
-                "steps, so this is a bug to fix, not a fault; no more restarts, every snapshot is kept")
+                "steps, so this is a bug to fix, not a fault; no more restarts, every snapshot is kept"
+            )
             if claim_line(repeated):
                 _log_error(repeated, "rank %s: %s", rank, repeated)
             dist.record_fatal_error(ctx, repeated)
@@ -83,13 +95,19 @@ def report_left_early(rank: str, step: int, last_committed: Committed | None, ct
     launcher, since they lose this rank and restart, and it would leave at the same step again."""
     resumes = last_committed.step if last_committed else "none: a fresh start"
     if ctx is None or not ctx.distributed:
-        log.warning("rank %s left the session at step %d before the run was done; the next launch resumes from the "
-                    "newest snapshot (step %s)", rank, step, resumes)
+        log.warning(
+            "rank %s left the session at step %d before the run was done; the next launch resumes from the "
+            "newest snapshot (step %s)",
+            rank,
+            step,
+            resumes,
+        )
         return
     error = UsageError(
         f"rank {rank} left the session at step {step} before the run was done while the other ranks trained on: "
         "every rank runs session.epochs() to its end (or all leave at the same step), calling session.step() once "
-        "per optimizer step")
+        "per optimizer step"
+    )
     # Said now; under torchrun also recorded, so that when the other ranks fail for the want of this one, no
     # restart follows (launch.py, fatal.py). If every rank left at this step the job simply ends.
     claim_line(error)
@@ -100,8 +118,10 @@ def report_left_early(rank: str, step: int, last_committed: Committed | None, ct
 def used_after_the_block(call: str) -> UsageError:
     """A session used after its ``with`` block ended: a loop dedented out of it, most often. Its process group is
     gone (under torchrun: torch's "process group not initialized"), and in one process it would train unseen."""
-    return UsageError(f"{call or 'the session'} after the `with Session(...)` block ended: indent the training loop "
-                      "inside `with Session(...) as session:`, where the session restores, steps and snapshots")
+    return UsageError(
+        f"{call or 'the session'} after the `with Session(...)` block ended: indent the training loop "
+        "inside `with Session(...) as session:`, where the session restores, steps and snapshots"
+    )
 
 
 def peer_loss_reason(text: str, limit: int = 160) -> str:
@@ -120,6 +140,13 @@ def is_peer_loss(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                      "[/gloo/", "gloo/transport", "Timed out waiting")
+        marker in text
+        for marker in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "[/gloo/",
+            "gloo/transport",
+            "Timed out waiting",
+        )
     )

@@ -64,7 +64,8 @@ def rebind(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]) 
     if optimizer.state:
         raise UsageError(
             f"a {type(optimizer).__name__} that has stepped already cannot follow the model into FSDP: build and "
-            "register the optimizer before its first step (dist.strategy=fsdp shards the model in session.wrap)")
+            "register the optimizer before its first step (dist.strategy=fsdp shards the model in session.wrap)"
+        )
     for group in optimizer.param_groups:
         group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 

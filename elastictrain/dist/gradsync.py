@@ -38,10 +38,11 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from elastictrain.dist import ddp, group as dist
 from elastictrain.core.config import Config
 from elastictrain.core.errors import ConfigError
 from elastictrain.core.rng import seed_rng
+from elastictrain.dist import ddp
+from elastictrain.dist import group as dist
 from elastictrain.dist.sync_timer import GradientSyncTimer
 
 
@@ -65,7 +66,9 @@ class DDPAccumulation:
 class VirtualShards:
     """Per-shard RNG and gradients, summed over all shards in one fixed order on every rank."""
 
-    def __init__(self, model: nn.Module, ctx: dist.DistContext, shards: int, seed: int, timer: GradientSyncTimer) -> None:
+    def __init__(
+        self, model: nn.Module, ctx: dist.DistContext, shards: int, seed: int, timer: GradientSyncTimer
+    ) -> None:
         self.ctx = ctx
         self.shards = shards
         self.seed = seed
@@ -89,9 +92,9 @@ class VirtualShards:
         for param in self.params:
             size = param.numel()
             if param.grad is None:
-                row[offset:offset + size].zero_()
+                row[offset : offset + size].zero_()
             else:
-                row[offset:offset + size].copy_(param.grad.reshape(-1))
+                row[offset : offset + size].copy_(param.grad.reshape(-1))
                 param.grad = None
             offset += size
 
@@ -124,7 +127,7 @@ class VirtualShards:
         offset = 0
         for param in self.params:
             size = param.numel()
-            param.grad = summed[offset:offset + size].view_as(param)
+            param.grad = summed[offset : offset + size].view_as(param)
             offset += size
 
     def _rows_for(self, count: int) -> torch.Tensor:
@@ -138,7 +141,7 @@ def tree_sum_rows(rows: torch.Tensor) -> None:
     count = rows.shape[0]
     while count > 1:
         count //= 2
-        rows[:count] += rows[count:2 * count]
+        rows[:count] += rows[count : 2 * count]
 
 
 def shard_seed(seed: int, step: int, shard: int) -> int:
@@ -147,8 +150,9 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     return mixed >> 1  # torch.manual_seed takes up to 2**63
 
 
-def make_gradient_sync(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config,
-                       timer: GradientSyncTimer) -> tuple[nn.Module, DDPAccumulation | VirtualShards]:
+def make_gradient_sync(
+    model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config, timer: GradientSyncTimer
+) -> tuple[nn.Module, DDPAccumulation | VirtualShards]:
     """What the loop trains, a module whose ``forward(batch)`` is ``loss_fn(model, batch)`` (DDP-wrapped or
     not), and the gradient sync that goes with it."""
     shards = cfg.train.virtual_shards
@@ -163,8 +167,9 @@ def make_gradient_sync(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cf
     return loss_forward, VirtualShards(model, ctx, shards, cfg.run.seed, timer)
 
 
-def wrap_model_for(model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config,
-                   timer: GradientSyncTimer) -> tuple[nn.Module, DDPAccumulation | VirtualShards | None]:
+def wrap_model_for(
+    model: nn.Module, loss_fn: Any, ctx: dist.DistContext, cfg: Config, timer: GradientSyncTimer
+) -> tuple[nn.Module, DDPAccumulation | VirtualShards | None]:
     """``Session.wrap``: with a loss_fn, the module make_gradient_sync builds and its sync; without one, the plain
     DDP-wrapped model (a custom loop's own backward) and no sync, which the bitwise-elastic mode cannot do with."""
     if loss_fn is not None:

@@ -31,11 +31,15 @@ import torch.distributed as dist
 from elastictrain.core import determinism
 from elastictrain.core.config import DistConfig
 from elastictrain.core.errors import (
-    ConfigError, DistributedSetupError, ElastictrainError, RepeatedFatalError, one_line,
+    ConfigError,
+    DistributedSetupError,
+    ElastictrainError,
+    RepeatedFatalError,
+    one_line,
 )
 from elastictrain.core.excepthook import keep_excepthook_outermost
-from elastictrain.launcher.launch_env import LaunchEnv, detect_launch_env
 from elastictrain.dist.rounds import agree_on_round
+from elastictrain.launcher.launch_env import LaunchEnv, detect_launch_env
 
 log = logging.getLogger("elastictrain")
 
@@ -146,8 +150,9 @@ def _connect_store(env: LaunchEnv, cfg: DistConfig) -> Any:
     return base
 
 
-def _init_process_group(env: LaunchEnv, run_store: Any, round_id: str, backend: str, device: torch.device,
-                        cfg: DistConfig) -> None:
+def _init_process_group(
+    env: LaunchEnv, run_store: Any, round_id: str, backend: str, device: torch.device, cfg: DistConfig
+) -> None:
     # See the module docstring: keys of their own for every round.
     dist.init_process_group(
         backend,
@@ -160,7 +165,12 @@ def _init_process_group(env: LaunchEnv, run_store: Any, round_id: str, backend: 
     keep_excepthook_outermost()  # init_process_group wrapped it: a user error's one line would be lost
     log.info(
         "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
-        backend, env.rank, env.world_size, env.restart_count, round_id, env.launcher,
+        backend,
+        env.rank,
+        env.world_size,
+        env.restart_count,
+        round_id,
+        env.launcher,
     )
 
 
@@ -173,8 +183,18 @@ def _run_store(env: LaunchEnv, base: Any) -> Any:
 
 
 def _write_fatal_error(run_store: Any, env: LaunchEnv, rank: int, error: ElastictrainError, round_id: str = "") -> None:
-    run_store.set(FATAL_KEY, json.dumps({"restart": env.restart_count, "round": round_id, "rank": rank,
-                                         "exit_code": error.exit_code, "kind": type(error).__name__}))
+    run_store.set(
+        FATAL_KEY,
+        json.dumps(
+            {
+                "restart": env.restart_count,
+                "round": round_id,
+                "rank": rank,
+                "exit_code": error.exit_code,
+                "kind": type(error).__name__,
+            }
+        ),
+    )
 
 
 def record_fatal_error(ctx: DistContext | None, error: ElastictrainError) -> None:

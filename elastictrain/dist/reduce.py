@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from elastictrain.core.errors import LossFnError
 from elastictrain.dist.collectives import all_gather, all_reduce_sum
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import LossFnError
 
 
 class WeightedSums:
@@ -46,8 +46,10 @@ class WeightedSums:
         if self.names is None:
             self.names = sorted(values)
         elif len(values) != len(self.names) or any(name not in values for name in self.names):
-            raise LossFnError(f"loss_fn returned the metric keys {sorted(values)} after {self.names} in earlier steps; "
-                              "return the same keys at every step (the snapshots saved so far are kept)")
+            raise LossFnError(
+                f"loss_fn returned the metric keys {sorted(values)} after {self.names} in earlier steps; "
+                "return the same keys at every step (the snapshots saved so far are kept)"
+            )
         # One-element values of any shape ((), (1,), (1, 1)): split_loss has checked that each is a scalar.
         self._values.extend(v.detach() if isinstance(v, torch.Tensor) else v for v in (values[n] for n in self.names))
         self._samples.append(samples)
@@ -59,7 +61,7 @@ class WeightedSums:
     def state_dict(self) -> dict[str, Any]:
         """This rank's values since the last reduce; reads only those added since its last call (marks call it at
         every step). Reading a value on an accelerator waits for the device: ``peek`` is the per-step form."""
-        self._floats.extend(float(value) for value in self._values[len(self._floats):])
+        self._floats.extend(float(value) for value in self._values[len(self._floats) :])
         return {"names": self.names, "values": list(self._floats), "samples": list(self._samples)}
 
     def peek(self) -> dict[str, Any] | None:
@@ -92,8 +94,9 @@ class WeightedSums:
         if self._samples:
             # Each value in float64 on its own: a python float is not rounded to the default dtype first (a restored
             # value is a python float, and must reduce to what the tensor it was read from does).
-            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                                  for v in self._values])
+            values = torch.stack(
+                [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self._values]
+            )
             per_step = values.reshape(len(self._samples), len(names))
             weights = torch.tensor(self._samples, dtype=torch.float64, device=self.device)
             sums = weights @ per_step
@@ -117,7 +120,8 @@ def agree_on_names(names: list[str], ctx: DistContext) -> None:
             raise LossFnError(
                 f"rank {holders[0]}'s loss_fn returned the metric key {key!r} and rank {lacking}'s did not ({len(holders)} "
                 f"of {len(by_rank)} ranks returned it); every rank must return the same metric keys: return it on every "
-                "rank, or on none (the snapshots saved so far are kept)")
+                "rank, or on none (the snapshots saved so far are kept)"
+            )
 
 
 def reduce_means(values: dict[str, float], weight: float, ctx: DistContext) -> dict[str, float]:
@@ -136,5 +140,8 @@ def weighted_means(parts: list[tuple[float, dict[str, float]]]) -> dict[str, flo
     """
     names = sorted({name for _, means in parts for name in means})
     totals = {name: sum(w for w, means in parts if name in means) for name in names}
-    return {name: sum(w * means[name] for w, means in parts if name in means) / totals[name]
-            for name in names if totals[name]}
+    return {
+        name: sum(w * means[name] for w, means in parts if name in means) / totals[name]
+        for name in names
+        if totals[name]
+    }

@@ -36,16 +36,22 @@ from elastictrain.core.signals import SignalledInSetup
 POLL_INTERVAL_S = 0.01
 
 
-def agree_on_round(store: Any, rank: int, world_size: int, timeout_s: float,
-                   poll_interval_s: float = POLL_INTERVAL_S) -> str:
+def agree_on_round(
+    store: Any, rank: int, world_size: int, timeout_s: float, poll_interval_s: float = POLL_INTERVAL_S
+) -> str:
     """The nonce of this round, the same on every rank of it (a store namespaced to the run)."""
     if rank == 0:
         return _lead(store, world_size, timeout_s, poll_interval_s)
     return _follow(store, rank, timeout_s, poll_interval_s)
 
 
-def _follow(store: Any, rank: int, timeout_s: float, poll_interval_s: float = POLL_INTERVAL_S,
-            clock: Callable[[], float] = time.monotonic) -> str:
+def _follow(
+    store: Any,
+    rank: int,
+    timeout_s: float,
+    poll_interval_s: float = POLL_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
     token = uuid.uuid4().hex
     store.set(f"round/req/{rank}", token)
     answer = f"round/resp/{token}"
@@ -71,8 +77,9 @@ def _follow(store: Any, rank: int, timeout_s: float, poll_interval_s: float = PO
     return nonce
 
 
-def _lead(store: Any, world_size: int, timeout_s: float, poll_interval_s: float,
-          clock: Callable[[], float] = time.monotonic) -> str:
+def _lead(
+    store: Any, world_size: int, timeout_s: float, poll_interval_s: float, clock: Callable[[], float] = time.monotonic
+) -> str:
     nonce = uuid.uuid4().hex[:16]
     deadline = clock() + timeout_s
     answered: dict[int, str] = {}  # rank -> the last token answered for it
@@ -97,7 +104,9 @@ def _lead(store: Any, world_size: int, timeout_s: float, poll_interval_s: float,
                 )
             time.sleep(poll_interval_s)
     except SignalledInSetup as signalled:
-        raise signalled.waiting(f"the process group (rank(s) {_listed(pending)} of {world_size} never joined)") from None
+        raise signalled.waiting(
+            f"the process group (rank(s) {_listed(pending)} of {world_size} never joined)"
+        ) from None
     # Every rank has its answer: the handshake's keys would only be stale tokens for the next round.
     for rank, token in answered.items():
         for key in (f"round/req/{rank}", f"round/resp/{token}", f"round/ack/{nonce}/{rank}"):

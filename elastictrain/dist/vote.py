@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from elastictrain.core.errors import UsageError
 from elastictrain.dist.collectives import all_reduce_sum, all_reduce_sum_start
 from elastictrain.dist.group import DistContext
-from elastictrain.core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,10 @@ class StepVote:
         if self.every_s <= 0 or window is None:
             return 1
         step_s = (now - window[0]) / window[1]
-        return max(1, min(MAX_STEPS_BETWEEN_VOTES, math.floor(self.every_s / step_s) if step_s > 0 else MAX_STEPS_BETWEEN_VOTES))
+        return max(
+            1,
+            min(MAX_STEPS_BETWEEN_VOTES, math.floor(self.every_s / step_s) if step_s > 0 else MAX_STEPS_BETWEEN_VOTES),
+        )
 
     def _tensor(self, local: Requests, proposal: int, step: int) -> torch.Tensor:
         flags = [int(getattr(local, f.name)) for f in fields(Requests)]
