@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastictrain.core.errors import one_line
+
 log = logging.getLogger("elastictrain")
 
 MAX_PENDING = 10_000  # calls (each a snapshot's points, a marker, the summary) waiting for the tracker
@@ -25,10 +27,6 @@ RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
 CLOSE_IDLE_S = 30.0  # at close, give up once no call has finished for this long
 CLOSE_DOWN_S = 2.0  # or, while it does not answer, after one more try (right away) and this long
 _CLOSE = object()
-
-
-def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
 
 
 class TrackerThread:
@@ -124,7 +122,7 @@ class TrackerThread:
                         "it answers (retried every %.0f s at most)",
                         self.name,
                         what,
-                        first_line(exc),
+                        one_line(exc, limit=200, kind=True),
                         self._retry_max_s,
                     )
                     log.debug("track: %s failed", self.name, exc_info=True)
