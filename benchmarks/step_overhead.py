@@ -43,11 +43,14 @@ EVERYTHING = {"snapshot": {"durable": {"every_steps": 50, "async_write": True},
                            "local": {"every_s": "auto", "survivor_copies": True}},
               "anomaly": {"check_gradients": True}}
 MODES.update({"session": {}, "trainer_all_on": EVERYTHING, "session_all_on": EVERYTHING})
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the fast tier's copies: in node memory, as the guide says
 WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session"}  # the rest: Trainer
 
 
-def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, root: pathlib.Path = REPO_ROOT) -> float:
-    """One job of ``mode`` on ``model``; ``root``: the checkout whose elastictrain it runs (``--before``)."""
+def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, fast: pathlib.Path,
+             root: pathlib.Path = REPO_ROOT) -> float:
+    """One job of ``mode`` on ``model``; ``fast``: where fast copies go; ``root``: the checkout whose elastictrain it
+    runs (``--before``)."""
     out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
                "--rdzv-endpoint=127.0.0.1:0", str(root / WORKER.relative_to(REPO_ROOT)),
@@ -56,7 +59,7 @@ def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, root: pat
                f"--warmup={min(30, steps // 3)}", f"--batch-size={64 if model == 'small' else 32}"]
     config = json.loads(json.dumps(MODES[mode] or {}))
     if "local" in config.get("snapshot", {}):
-        config["snapshot"]["local"]["url"] = str(workdir / f"fast-{out.stem}")
+        config["snapshot"]["local"]["url"] = str(fast / f"fast-{out.stem}")
     env = {**os.environ, "OVERHEAD_CONFIG": json.dumps(config), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     return run_job(command, env, out, f"{mode} on {model}", workdir)
 
@@ -107,7 +110,7 @@ def main() -> None:
         roots.update({f"{mode}@before": pathlib.Path(args.before).resolve() for mode in modes[1:]})
         modes = [modes[0], *(m for mode in modes[1:] for m in (mode, f"{mode}@before"))]
     results, loads = {}, [load()]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=SHM) as fast:
         workdir = pathlib.Path(tmp)
         for model in args.models.split(","):
             n = args.steps or (200 if model == "wide" else 600)
@@ -115,7 +118,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]  # rotate the order
                 for mode in order:
-                    times[mode].append(run_once(mode.removesuffix("@before"), model, n, workdir, roots[mode]))
+                    times[mode].append(run_once(mode.removesuffix("@before"), model, n, workdir, pathlib.Path(fast), roots[mode]))
                 loads.append(load())
             results[model] = {f"{mode}_step_ms": [t * 1e3 for t in times[mode]] for mode in modes}
             for mode in modes[1:]:

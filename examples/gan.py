@@ -63,7 +63,7 @@ def main(overrides: list[str]) -> None:
                 d_loss = bce(D(torch.cat([real, fake])), torch.cat([ones, zeros]))
                 opt_d.zero_grad(set_to_none=True)
                 d_loss.backward()
-                # Not when a rank's loss or D's gradient norm is non-finite (self-healing: anomaly.*), on every rank.
+                # Not when this rank's loss or D's gradient norm is non-finite (self-healing: anomaly.*): a rollback follows.
                 if session.gradients_ok(D, loss=d_loss.detach()):
                     opt_d.step()
                 # G step: fool D. D's gradients computed on the way are dropped by the next D step's zero_grad.

@@ -372,3 +372,42 @@ def test_a_scaler_told_of_another_ranks_overflow_ends_as_one_that_saw_it():
     saw_it, told = scaler_after(INF), scaler_after(1.0)
     assert told[0] == saw_it[0] and saw_it[0]["scale"] == 2.0 ** 7 and saw_it[0]["_growth_tracker"] == 0
     assert torch.equal(told[1], saw_it[1]), "neither took the update"
+
+
+def _update_answers(rank: int, port: int, policy: str, results) -> None:
+    import torch.distributed as tdist
+
+    from elastictrain.core.config import AnomalyConfig
+    from elastictrain.dist.group import DistContext
+    from elastictrain.health.anomalies import Anomalies
+    from elastictrain.launcher.launch_env import LaunchEnv
+
+    store = tdist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        ctx = DistContext(LaunchEnv("env", rank=rank, world_size=2), True, torch.device("cpu"), "gloo", 60.0)
+        anomalies = Anomalies(AnomalyConfig(policy=policy), AnomalyLog(), GradNormStatistic())
+        anomalies.attach(ctx, None)
+        answer = anomalies.gradients_ok(None, 1, loss=torch.tensor(NAN if rank == 1 else 1.0))
+        if policy == "rollback":  # rank 0 asks twice more, alone: a collective in it would pair with the one below
+            more = [anomalies.gradients_ok(None, step, loss=torch.tensor(1.0)) for step in (2, 3)]
+            assert more == [True, True]
+        total = torch.tensor([float(rank + 1)])
+        tdist.all_reduce(total)  # 1 + 2 when every earlier collective was made by both ranks
+        pending = anomalies.pending
+        results.put((rank, answer, float(total), pending.kind if pending is not None else None))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, answers", [("skip", {0: False, 1: False}), ("rollback", {0: True, 1: False})])
+def test_under_skip_every_rank_gets_one_answer_and_under_rollback_each_its_own_without_a_collective(policy, answers):
+    from tests.helpers import ranks
+    from tests.helpers.agents import free_port
+
+    out = {rank: rest for rank, *rest in ranks.run(_update_answers, 2, free_port(), policy)}
+    assert {rank: answer for rank, (answer, _, _) in out.items()} == answers
+    assert all(total == 3.0 for _, total, _ in out.values()), out
+    if policy == "rollback":  # the rank that holds its update raised a sighting: the vote rolls every rank back
+        assert out[1][2] == "loss" and out[0][2] is None, out

@@ -2,10 +2,13 @@
 
 What is checked, on every rank, before each optimizer step (``session.gradients_ok()``;
 ``StepRunner`` calls it): the global gradient norm, where it is read, and the rank's own loss of
-the step (``gradients_ok(loss=)``, or logged before it). Each rank's finding is made every rank's
-(update_check.py: a 1-element all-reduce), so every rank takes the same decision at the same step:
-a fault in one rank's gradients after the all-reduce, or one rank's non-finite loss, holds every
-rank's update. A non-finite loss also names the rank a NaN came from before the all-reduce spread it.
+the step (``gradients_ok(loss=)``, or logged before it). A non-finite loss also names the rank a
+NaN came from before the all-reduce spread it. Under ``skip`` each rank's finding is made every
+rank's (update_check.py: a 1-element all-reduce), so every rank takes the same decision at the same
+step: a fault in one rank's gradients after the all-reduce, or one rank's non-finite loss, holds
+every rank's update. Under ``rollback`` a rank answers alone, with no collective: a rank that holds
+its update has raised a sighting, and the vote rolls every rank back before anything leaves TRAIN
+(a snapshot, an evaluation, a stop), so replicas that parted for a few steps are never kept.
 
 ``anomaly.policy``:
 
@@ -65,6 +68,10 @@ class Anomalies:
             cfg.check_gradients is True
             or (cfg.check_gradients == "auto" and (cfg.policy == "skip" or cfg.spike_factor > 0))
         )
+        # Whether every rank's gradients_ok answer is agreed (a collective each call): with skip alone. A skip taken by
+        # some ranks only would part the replicas for good; under rollback, a rank holding its update has raised a
+        # sighting (a non-finite loss or norm), and the vote rolls every rank back before anything leaves TRAIN.
+        self.agreed = cfg.policy == "skip"
         self.host = socket.gethostname()
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
         self.replaying: int | None = None  # the anomalous step a replay is heading for
@@ -88,8 +95,9 @@ class Anomalies:
     # -- the checks (every step) ---------------------------------------------------------------
 
     def gradients_ok(self, norm: float | None, step: int, loss: Any = None) -> bool:
-        """Before the optimizer step of ``step`` (1-based): True to take it, the same on every rank (agreed: a
-        collective every rank makes). ``norm`` None: not read this step; ``loss``: this rank's loss of the step."""
+        """Before the optimizer step of ``step`` (1-based): True to take it. With skip the same on every rank (agreed:
+        a collective every rank makes); with rollback this rank's own answer (``agreed``). ``norm`` None: not read this
+        step; ``loss``: this rank's loss of the step."""
         index, self._index = self._index, self._index + 1
         if step in self.record.skipped_steps:
             return False  # listed (the same list on every rank): this step's update was found to come from its data
@@ -103,7 +111,9 @@ class Anomalies:
         )
         finding = finding_of(norm, spike, self._own_loss_of(step), self.host)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
+        if not self.agreed:  # rollback: a rank that holds its update raised a sighting; the vote rolls every rank back
+            decision = decide_update([finding])
+        elif ahead is not None and ahead[0] == step and norm is None:  # every rank: the same call of the same step
             decision = decide_update(ahead[1]())
         else:
             decision = decide_update(agree(finding, self.ctx))
@@ -126,7 +136,7 @@ class Anomalies:
     def agree_ahead(self, step: int) -> None:
         """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
         agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
-        if self.active and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
+        if self.agreed and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
             self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
 
     def _own_loss_of(self, step: int) -> float | None:

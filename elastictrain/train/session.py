@@ -209,10 +209,11 @@ class Session(SessionCollectives):
         self._metrics.add(samples, values)
 
     def gradients_ok(self, parameters: Any = None, *, loss: Any = None, norm: float | None = None) -> bool:
-        """After the backward (and a GradScaler's ``unscale_``), before ``optimizer.step()``: False, the same on every
-        rank, when this step's update must not be taken (a non-finite ``loss``, a non-finite or spiking gradient norm
-        of ``parameters`` (default: every registered model's), a listed step); clips to ``train.clip_grad_norm`` when
-        it is taken, unless ``norm`` (already computed) is given. The custom-loop guide says it in full."""
+        """After the backward (and a GradScaler's ``unscale_``), before ``optimizer.step()``: False when this step's
+        update must not be taken: a non-finite ``loss``, a non-finite or spiking gradient norm of ``parameters``
+        (default: every registered model's), a listed step. The same on every rank under ``anomaly.policy=skip``;
+        each rank's own under rollback. Clips to ``train.clip_grad_norm`` when it is taken, unless ``norm`` (already
+        computed) is given. The custom-loop guide says it in full."""
         self._calls.training("gradients_ok")
         return self._steps.gradients_ok(parameters, loss, norm)
 
