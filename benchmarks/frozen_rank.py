@@ -9,8 +9,8 @@ when detection ended. ``--burners N`` runs N CPU-bound processes (a Python busy
 loop each) beside the job for the whole run; every trial records the load average at the SIGSTOP.
 ``--warm`` launches the job with warm restarts (``-m elastictrain.launcher.warmstart``). ``--nodes 2``
 runs the frozen rank on another node: two torchrun agents on 127.0.0.1, one worker each (the shipped
-``launch/torchrun/multi_node.sh``, ``elastictrain-c10d``, warm restarts, ``--rdzv-conf`` as the
-elastic guide's recipe), so the live rank has no stopped process on its host to find and the frozen
+``launch/torchrun/multi_node.sh``, ``elastictrain-c10d``, warm restarts, ``--rdzv-conf`` 2/1/4 whole
+seconds: the frozen node stays in the round), so the live rank has no stopped process on its host to find and the frozen
 node's own agent must stop its worker for the new rendezvous round.
 
     PYTHONPATH=. .venv/bin/python benchmarks/frozen_rank.py --trials 3 --out benchmarks/results/frozen_rank.json
@@ -38,7 +38,7 @@ from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.jobs import JOB, TIMEOUT_S, run_reference
 
-RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}  # the elastic guide's
+RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}  # whole seconds
 HANG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r\d a0\] ERROR rank \d: no progress", re.MULTILINE)
 
 

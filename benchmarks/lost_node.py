@@ -2,8 +2,9 @@
 
 Two torchrun agents on 127.0.0.1 are the two nodes of one ``--nnodes=1:2`` job (the shipped
 ``launch/torchrun/multi_node.sh``, the ``elastictrain-c10d`` rendezvous, warm restarts, one worker
-per node, ``--rdzv-conf`` as the launching guide's elastic recipe: ``last_call_timeout=2``,
-``keep_alive_interval=1``, ``keep_alive_max_attempt=4``). When rank 1 reaches step 37 its node is
+per node, ``--rdzv-conf`` as the elastic guide's recipe: ``last_call_timeout=0.5``,
+``keep_alive_interval=0.25``, ``keep_alive_max_attempt=6``, fractions of a second that
+``elastictrain-c10d`` takes). When rank 1 reaches step 37 its node is
 SIGKILLed; the survivor goes on alone from the snapshot of step 25. From the worker's own
 millisecond log lines, each trial splits the time from the kill into:
 
@@ -18,7 +19,7 @@ millisecond log lines, each trial splits the time from the kill into:
 ``--burners N`` runs N CPU-bound processes beside the job; every trial records the load average at
 the kill.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/lost_node.py --trials 3 --out benchmarks/results/lost_node.json
+    PYTHONPATH=. .venv/bin/python benchmarks/lost_node.py --trials 3 --burners 6 --out benchmarks/results/lost_node_loaded.json
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ JOB = [
     "log.plots=false",
     "log.progress_bar=false",
 ]
-RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}
+RDZV_CONF = {"last_call_timeout": 0.5, "keep_alive_interval": 0.25, "keep_alive_max_attempt": 6}
 STAMP = r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r0 "
 LINES = {
     "lost": re.compile(STAMP + r"a0\] .*lost a peer", re.MULTILINE),

@@ -51,9 +51,12 @@ JOB = [
     f"snapshot.durable.every_steps={SNAPSHOT_EVERY}",
     "log.plots=false",
 ]
-# Tests need no 30 s waits: a lost node is declared dead 4 s after its last heartbeat (one a second), and a
-# round waits 2 s after its first node for more to join.
-RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}
+# The elastic guide's settings ("Faster changes"), run here under the suite's own load: elastictrain-c10d takes
+# fractions of a second; a lost node is declared dead 1.5 s after its last heartbeat (four a second), and a round
+# waits 0.5 s after its first node for more to join. A node declared lost while alive would change the attempts
+# the tests below check. etcd-v2 reads whole seconds: dead after 4 s (one a second), 2 s of last call.
+RDZV_CONF = {"last_call_timeout": 0.5, "keep_alive_interval": 0.25, "keep_alive_max_attempt": 6}
+WHOLE_SECONDS_RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}
 # One intra-op thread per worker, as torchrun sets it for several workers per node: two workers with
 # two threads each on two shared cores make every step 10x slower.
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -77,7 +80,8 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
     trace_dir.mkdir(parents=True)
     overrides = [*JOB, *extra, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
                  f"task.args.pauses=[[{lost},{KILL_STEP}],[0,{GROW_CALL}]]"]  # node i holds rank i
-    nodes = NodeGroup(workdir, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+    rdzv_conf = RDZV_CONF if backend == "elastictrain-c10d" else WHOLE_SECONDS_RDZV_CONF
+    nodes = NodeGroup(workdir, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=rdzv_conf,
                       env={**ENV, "RDZV_BACKEND": backend}, **({"endpoint": endpoint} if endpoint else {}))
 
     def host_store(index: int) -> bool | None:  # c10d: agent 0 hosts the rendezvous; etcd: nobody does

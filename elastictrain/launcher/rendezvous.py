@@ -10,14 +10,23 @@ was lost) waits for them until the store times out (measured: ``DistStoreError: 
 out waiting for it in turn. Here the rank-0 agent publishes the address in every round, and every
 other agent reads it from that round, so a rank 0 that changed between rounds is followed too.
 
+``elastictrain-c10d`` also takes fractions of a second where torch reads whole ones
+(``RendezvousParameters.get_as_int``): ``keep_alive_interval``, ``last_call_timeout``,
+``join_timeout``, ``close_timeout`` and ``heartbeat_timeout`` in ``--rdzv-conf``
+(``keep_alive_interval=0.5``), so a lost node is declared dead and the smaller round closed in
+about a second and a half instead of torch's whole-second floor (``timing_of``, pure; the handler is
+torch's own ``DynamicRendezvousHandler``, built as torch's ``create_handler`` builds it).
+
 torchrun finds these backends through the ``torchrun.handlers`` entry points in pyproject.toml, once
 elastictrain is installed where torchrun runs: ``torchrun --rdzv-backend=elastictrain-c10d ...``.
-Everything else (flags, ``--rdzv-conf``, the store's host) is the wrapped backend's.
+Everything else (flags, the other ``--rdzv-conf`` keys, the store's host) is the wrapped backend's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -28,6 +37,48 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 Creator = Callable[[RendezvousParameters], RendezvousHandler]
+
+# torch's defaults (dynamic_rendezvous.py): keep-alive every 5 s, dead after 3 missed; the timeouts' own defaults
+# are RendezvousTimeout's, used where a key is not given.
+KEEP_ALIVE_INTERVAL_S = 5.0
+KEEP_ALIVE_MAX_ATTEMPT = 3
+TIMEOUTS = ("join", "last_call", "close", "heartbeat")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The c10d rendezvous's timing from ``--rdzv-conf``, in seconds (None: torch's default)."""
+
+    timeouts: dict[str, float | None]  # join, last_call, close, heartbeat
+    keep_alive_interval_s: float = KEEP_ALIVE_INTERVAL_S
+    keep_alive_max_attempt: int = KEEP_ALIVE_MAX_ATTEMPT
+
+
+def timing_of(config: Mapping[str, object]) -> Timing:
+    """The rendezvous's timing from ``--rdzv-conf``'s keys (strings from the command line, or numbers): every
+    duration a positive number of seconds, fractions allowed; ``keep_alive_max_attempt`` a whole number >= 1."""
+
+    def seconds(key: str) -> float | None:
+        value = config.get(key)
+        if value is None:
+            return None
+        try:
+            number = float(value)  # type: ignore[arg-type]  # a str or a number, as torchrun passes it
+        except (TypeError, ValueError):
+            number = float("nan")
+        if not number > 0 or number == float("inf"):
+            raise ValueError(f"--rdzv-conf {key}={value}: give a positive number of seconds, e.g. {key}=0.5")
+        return number
+
+    attempts = config.get("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT)
+    if not str(attempts).isdigit() or int(str(attempts)) < 1:
+        raise ValueError(f"--rdzv-conf keep_alive_max_attempt={attempts}: give a whole number of heartbeats, e.g. 3")
+    interval = seconds("keep_alive_interval")
+    return Timing(
+        {name: seconds(f"{name}_timeout") for name in TIMEOUTS},
+        KEEP_ALIVE_INTERVAL_S if interval is None else interval,
+        int(str(attempts)),
+    )
 
 
 class RoundPublishingHandler(RendezvousHandler):
@@ -95,9 +146,35 @@ def _wrapping(torch_backend: str) -> Creator:
     return create
 
 
+def _c10d(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d handler as its ``create_handler`` builds it, with ``timing_of``'s durations (fractions kept)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    timing = timing_of(params.config)
+    torch_params = RendezvousParameters(
+        "c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr, **params.config
+    )
+    backend, store = create_backend(torch_params)
+    durations = {name: None if s is None else timedelta(seconds=s) for name, s in timing.timeouts.items()}
+    inner = DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        RendezvousTimeout(**durations),
+        # torch's signature says int; it makes a timedelta of it, which takes a fraction of a second too
+        keep_alive_interval=timing.keep_alive_interval_s,  # type: ignore[arg-type]
+        keep_alive_max_attempt=timing.keep_alive_max_attempt,
+    )
+    return RoundPublishingHandler(inner, "elastictrain-c10d")
+
+
 # The torchrun.handlers entry points: each returns the creator torchrun registers under its name.
 def c10d() -> Creator:
-    return _wrapping("c10d")
+    return _c10d
 
 
 def etcd_v2() -> Creator:
