@@ -223,7 +223,7 @@ def test_fsdp_self_healing_rolls_back_from_the_shards_and_skips_a_poisoned_batch
 
 
 FAST = ["snapshot.local.every_steps=5"]  # durable copies at 25, 50, 75; fast ones every 5 steps between them
-RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}  # as tests/test_elastic.py
+RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}  # whole seconds: a fixed world of two
 
 
 def copy_files(directory, step: int) -> list[str]:

@@ -51,7 +51,7 @@ KINDS = ("worker-sigkill", "worker-sigstop", "agent-sigterm", "node-loss", "s3-p
 STEP_SLEEP_S = 0.03  # each training step of the task sleeps this long: minutes of training in a few thousand steps
 TMPFS_SIZE = "8m"
 SERVER_EXIT_S = 10.0  # a warm-start server exits on its own a moment after its agent (it waits on the agent)  # each node's fast tier
-RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 4}
+RDZV_CONF = {"last_call_timeout": 0.5, "keep_alive_interval": 0.25, "keep_alive_max_attempt": 6}  # the elastic guide's
 ENV = {"OMP_NUM_THREADS": "1"}
 TRAIN = [
     "task.factory=tests.helpers.tasks:build", f"task.args.step_sleep_s={STEP_SLEEP_S}",
