@@ -8,7 +8,8 @@ source is on a GPU, so the device-to-host copy can run without blocking) and reu
 shapes and dtypes stay the same: a copy into a reused buffer costs a memcpy, not an
 allocation, and resident memory stays flat over any number of snapshots.
 
-Leaves that are not tensors are deep-copied (numbers, strings, small dicts of counters). Tensors
+Leaves that are not tensors are deep-copied, but for numbers and strings, which are immutable and
+kept as they are. Tensors
 that share storage (tied weights) are staged twice: loading copies values into the live
 parameters, so the tie survives a restore. A ``DTensor`` (an FSDP shard) stages this rank's local
 part and keeps its global layout, so DCP saves the staged copy as it would the live one.
@@ -27,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 Path = tuple[Any, ...]
+_IMMUTABLE = (bool, int, float, complex, str, bytes)  # the leaves most state trees are made of (history, counters)
 
 
 class Stager:
@@ -53,6 +55,8 @@ class Stager:
         return staged
 
     def _copy(self, node: Any, path: Path) -> Any:
+        if node is None or isinstance(node, _IMMUTABLE):  # deepcopy would return it as it is, a call later
+            return node
         if isinstance(node, DTensor):
             # What torch's own CPU staging for DCP does: the local shard on the CPU under the same spec
             # (DTensor.from_local would move it back to the mesh's device).
