@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 
+from elastictrain.core.errors import ConfigError
 from elastictrain.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, Timing, timing_of
 
 NONE = {"join": None, "last_call": None, "close": None, "heartbeat": None}
@@ -35,7 +36,7 @@ def test_timing_of_reads_seconds_with_fractions(config, expected):
     ({"keep_alive_max_attempt": "0"}, "--rdzv-conf keep_alive_max_attempt=0: give a whole number of heartbeats"),
 ])
 def test_a_value_that_is_not_a_duration_is_refused_in_one_line(config, said):
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(ConfigError) as raised:
         timing_of(config)
     assert str(raised.value).startswith(said)
 
@@ -56,3 +57,17 @@ def test_the_handler_torchrun_builds_keeps_the_fractions(tmp_path):
     assert settings.timeout.last_call == timedelta(seconds=0.75)
     assert handler.get_backend() == "elastictrain-c10d"
     handler.shutdown()
+
+
+def test_a_bad_value_ends_torchruns_handler_creation_with_its_line_and_exit_2(capsys):
+    # torchrun prints an exception from a handler's creator with its traceback: the creator says the line and exits.
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastictrain.launcher.rendezvous import c10d
+
+    params = RendezvousParameters("elastictrain-c10d", "127.0.0.1:0", "timing-test", 1, 2, keep_alive_interval="fast")
+    with pytest.raises(SystemExit) as exited:
+        c10d()(params)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == ("elastictrain: error: --rdzv-conf keep_alive_interval=fast: give a positive "
+                                       "number of seconds, e.g. keep_alive_interval=0.5\n")

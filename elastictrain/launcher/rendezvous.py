@@ -24,6 +24,7 @@ Everything else (flags, the other ``--rdzv-conf`` keys, the store's host) is the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,8 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
+from elastictrain.core.errors import ConfigError
+
 Creator = Callable[[RendezvousParameters], RendezvousHandler]
 
 # torch's defaults (dynamic_rendezvous.py): keep-alive every 5 s, dead after 3 missed; the timeouts' own defaults
@@ -43,6 +46,7 @@ Creator = Callable[[RendezvousParameters], RendezvousHandler]
 KEEP_ALIVE_INTERVAL_S = 5.0
 KEEP_ALIVE_MAX_ATTEMPT = 3
 TIMEOUTS = ("join", "last_call", "close", "heartbeat")
+TIMING_KEYS = (*(f"{name}_timeout" for name in TIMEOUTS), "keep_alive_interval", "keep_alive_max_attempt")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class Timing:
 
 def timing_of(config: Mapping[str, object]) -> Timing:
     """The rendezvous's timing from ``--rdzv-conf``'s keys (strings from the command line, or numbers): every
-    duration a positive number of seconds, fractions allowed; ``keep_alive_max_attempt`` a whole number >= 1."""
+    duration a positive number of seconds, fractions allowed; ``keep_alive_max_attempt`` a whole number >= 1.
+    ConfigError otherwise (the handler's creator says it in one line and ends torchrun with exit 2)."""
 
     def seconds(key: str) -> float | None:
         value = config.get(key)
@@ -67,12 +72,12 @@ def timing_of(config: Mapping[str, object]) -> Timing:
         except (TypeError, ValueError):
             number = float("nan")
         if not number > 0 or number == float("inf"):
-            raise ValueError(f"--rdzv-conf {key}={value}: give a positive number of seconds, e.g. {key}=0.5")
+            raise ConfigError(f"--rdzv-conf {key}={value}: give a positive number of seconds, e.g. {key}=0.5")
         return number
 
     attempts = config.get("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT)
     if not str(attempts).isdigit() or int(str(attempts)) < 1:
-        raise ValueError(f"--rdzv-conf keep_alive_max_attempt={attempts}: give a whole number of heartbeats, e.g. 3")
+        raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={attempts}: give a whole number of heartbeats, e.g. 3")
     interval = seconds("keep_alive_interval")
     return Timing(
         {name: seconds(f"{name}_timeout") for name in TIMEOUTS},
@@ -151,9 +156,14 @@ def _c10d(params: RendezvousParameters) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-    timing = timing_of(params.config)
+    try:
+        timing = timing_of(params.config)
+    except ConfigError as exc:  # torchrun would print it with its traceback
+        print(f"elastictrain: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+    rest = {key: value for key, value in params.config.items() if key not in TIMING_KEYS}
     torch_params = RendezvousParameters(
-        "c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr, **params.config
+        "c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr, **rest
     )
     backend, store = create_backend(torch_params)
     durations = {name: None if s is None else timedelta(seconds=s) for name, s in timing.timeouts.items()}
