@@ -134,8 +134,9 @@ class Anomalies:
         return False
 
     def agree_ahead(self, step: int) -> None:
-        """A step runner, before the step's last backward, its losses logged and its gradients not to be read: the
-        agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank makes)."""
+        """A step runner, before the step's last backward, its losses logged and its gradients not to be read: under
+        skip the agreement of ``gradients_ok`` starts now, overlapped with the backward (a collective every rank
+        makes); under rollback there is none to start."""
         if self.agreed and step not in self.record.skipped_steps and self.ctx is not None and self.ctx.distributed:
             self._ahead = (step, agree_ahead(finding_of(None, False, self._own_loss_of(step), self.host), self.ctx))
 

@@ -1,4 +1,4 @@
-"""Whether a step's update is taken: one answer on every rank, agreed, never assumed.
+"""Whether a step's update is taken: under ``anomaly.policy=skip`` one answer on every rank, agreed, never assumed.
 
 Before an optimizer step each rank looks at its own numbers: the gradient norm it read and its own
 loss of the step. After the gradient all-reduce the norms are equal on every rank — unless a rank's
@@ -7,7 +7,9 @@ rank alone can come to a different answer. A skip taken by some ranks only leave
 differ and a run that exits 0 with a wrong model. So each rank's ``Finding`` (``finding_of``, pure)
 is made every rank's (``agree``: one 1-element all-reduce, MAX of "this rank found something"; the
 findings themselves are gathered only when one was found) and ``decide_update`` (pure,
-table-tested) turns the same list into the same decision on every rank.
+table-tested) turns the same list into the same decision on every rank. Under rollback a rank decides from its
+own finding alone (``decide_update([finding])``, anomalies.py): a rank that holds its update raises a sighting,
+and the vote rolls every rank back.
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ shapes and dtypes stay the same: a copy into a reused buffer costs a memcpy, not
 allocation, and resident memory stays flat over any number of snapshots.
 
 Leaves that are not tensors are deep-copied, but for numbers and strings, which are immutable and
-kept as they are. Tensors
-that share storage (tied weights) are staged twice: loading copies values into the live
-parameters, so the tie survives a restore. A ``DTensor`` (an FSDP shard) stages this rank's local
-part and keeps its global layout, so DCP saves the staged copy as it would the live one.
+kept as they are. Tensors that share storage (tied weights) are staged twice: loading copies values
+into the live parameters, so the tie survives a restore. A ``DTensor`` (an FSDP shard) stages this
+rank's local part and keeps its global layout, so DCP saves the staged copy as it would the live one.
 
 The one stager of the package: replicated snapshots stage their state tree here and sharded ones
 their ``get_state_dict`` shards (``sharded.ShardedState.stage``).
@@ -28,7 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 Path = tuple[Any, ...]
-_IMMUTABLE = (bool, int, float, complex, str, bytes)  # the leaves most state trees are made of (history, counters)
+# The leaves most state trees are made of (history, counters), kept as they are (bool is an int).
+_IMMUTABLE = (int, float, complex, str, bytes)
 
 
 class Stager:

@@ -15,7 +15,7 @@ class RunnerLink:
 
     grad_sync: Any  # the gradient sync session.wrap(model, loss_fn) built (gradsync.py); None without a loss_fn
     checks_gradients: bool  # anomaly.check_gradients: the gradient norm is read each step even without clipping
-    agree_ahead: Callable[[int], None]  # start the ranks' agreement on the losses logged for that step (anomalies.py)
+    agree_ahead: Callable[[int], None]  # skip: start the ranks' agreement on the step's logged losses (anomalies.py)
     any_rank: Callable[[bool], bool]  # whether a flag is true on any rank: one 1-element all-reduce
 
 

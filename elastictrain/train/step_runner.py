@@ -4,9 +4,9 @@
 ``model(batch)`` (the module ``session.wrap(model, loss_fn)`` returned: its forward is the loss,
 inside DDP's forward), each under the gradient sync's context (DDP's ``no_sync`` for all but the
 last, or the per-shard gradients of ``train.virtual_shards``), logs each micro-batch's loss and
-metrics to the session, and steps the optimizer unless ``session.gradients_ok`` (agreed by every
-rank) says not to. It tells the session when its per-rank state is final, before the last
-backward, so that survivor copies name the step this one completes; reading no gradient norm,
+metrics to the session, and steps the optimizer unless ``session.gradients_ok`` says not to. It
+tells the session when its per-rank state is final, before the last backward, so that survivor
+copies name the step this one completes; reading no gradient norm under ``anomaly.policy=skip``,
 it starts the ranks' agreement on their losses there too, overlapped with the backward.
 ``Trainer`` uses it; a custom loop with one optimizer may too. Call ``session.step()`` after ``run``.
 """
@@ -62,7 +62,7 @@ class StepRunner:
                     # all-reduce is what lets the peers finish the step, so a rank that dies anywhere from
                     # here on leaves a slot naming the step they reach (survivor.py).
                     session.rank_state_final()
-                    if self.reads_no_norm:  # the losses are all logged: agree on them during the backward
+                    if self.reads_no_norm:  # the losses are all logged: skip agrees on them during the backward
                         link.agree_ahead(step + 1)
                 scaled = sync.scale(loss, accum)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -88,7 +88,7 @@ class StepRunner:
         )
         if overflow and checked is not None and math.isfinite(checked):
             backed_off(scaler)
-        elif not overflow and not session.gradients_ok(norm=checked):  # agreed: the same on every rank
+        elif not overflow and not session.gradients_ok(norm=checked):  # skip: agreed; rollback: this rank's own
             optimizer.zero_grad(set_to_none=True)  # the update is not taken: an anomaly, or a listed step
             if scaler is not None:
                 scaler.update(scaler.get_scale())  # forget this step's unscale, keep the scale and its growth count
