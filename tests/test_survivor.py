@@ -22,6 +22,7 @@ from elastictrain.core.config_load import load_config
 from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums
+from elastictrain.core import rng as rng_module
 from elastictrain.core.rng import capture_rng_compact, restore_rng, rng_from_compact
 from elastictrain.core.progress import History, Progress
 from elastictrain.snapshot.format import load_object
@@ -119,6 +120,25 @@ def test_rng_states_survive_the_slot_form_exactly():
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     restore_rng(saved, CPU)
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+
+
+@pytest.mark.parametrize("draws", [0, 1, 2, 5])
+def test_numpys_cached_gaussian_survives_the_slot_form_read_from_memory_or_from_get_state(draws, monkeypatch):
+    # An odd count of legacy normals leaves one cached (has_gauss=1) with the stream's position unchanged by the
+    # next draw: the slot form must hold it, or the restored stream's next normal differs.
+    np.random.seed(7)
+    np.random.randn(draws)
+    memory = capture_rng_compact(CPU)
+    assert isinstance(rng_module._NUMPY._located, tuple)  # this numpy's memory was found and proven
+    reference = np.random.get_state(legacy=False)
+    assert memory["numpy"][1:] == (reference["state"]["pos"], reference["has_gauss"], reference["gauss"])
+    assert memory["numpy"][0] == reference["state"]["key"].tobytes()
+    monkeypatch.setattr(rng_module._NUMPY, "_located", None)  # numpy's get_state, as where memory cannot be read
+    assert capture_rng_compact(CPU)["numpy"] == memory["numpy"]
+    expected = np.random.randn(3)
+    np.random.seed(0)
+    restore_rng(rng_from_compact(memory), CPU)
+    assert np.array_equal(np.random.randn(3), expected)
 
 
 class Node:

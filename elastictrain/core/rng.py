@@ -2,13 +2,16 @@
 
 Two forms of a capture: ``capture_rng`` holds tensors, the form a snapshot saves and
 ``torch.load(weights_only=True)`` reads back; ``capture_rng_compact`` holds bytes and ints,
-pickled in microseconds where tensors take a tenth of a millisecond (a survivor slot, written
-every step). ``rng_from_compact`` turns the second into the first; ``restore_rng`` loads it.
+taken and pickled in about 20 microseconds (a survivor slot, written every step).
+``rng_from_compact`` turns the second into the first; ``restore_rng`` loads it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
+import struct
+from array import array
 from typing import Any
 
 import numpy as np
@@ -35,15 +38,10 @@ def capture_rng(device: torch.device) -> dict[str, Any]:
 
 def capture_rng_compact(device: torch.device) -> dict[str, Any]:
     """``capture_rng``'s states as bytes and ints (``rng_from_compact`` turns them back)."""
-    numpy_state = np.random.get_state(legacy=False)
+    version, internal, gauss_next = random.getstate()
     state = {
-        "python": random.getstate(),
-        "numpy": (
-            numpy_state["state"]["key"].tobytes(),
-            int(numpy_state["state"]["pos"]),
-            int(numpy_state["has_gauss"]),
-            float(numpy_state["gauss"]),
-        ),
+        "python": (version, array("I", internal).tobytes(), gauss_next),  # 625 words: pickled 3x faster as bytes
+        "numpy": _NUMPY.compact(),
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if device.type == "cuda":
@@ -54,8 +52,9 @@ def capture_rng_compact(device: torch.device) -> dict[str, Any]:
 def rng_from_compact(state: dict[str, Any]) -> dict[str, Any]:
     """Back to ``capture_rng``'s form, which ``restore_rng`` loads."""
     key, pos, has_gauss, gauss = state["numpy"]
+    version, internal, gauss_next = state["python"]
     restored = {
-        "python": state["python"],
+        "python": (version, tuple(array("I", internal)), gauss_next),
         "numpy": {
             "key": torch.from_numpy(np.frombuffer(key, dtype=np.uint32).astype(np.int64)),
             "pos": pos,
@@ -67,6 +66,75 @@ def rng_from_compact(state: dict[str, Any]) -> dict[str, Any]:
     if "cuda" in state:
         restored["cuda"] = torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8)
     return restored
+
+
+class _NumpyGlobalStream:
+    """numpy's global stream (the RandomState behind ``np.random.*``) as (key bytes, pos, has_gauss, gauss).
+
+    ``np.random.get_state`` builds a dict around a copy of the key: 30 us, most of a survivor mark.
+    The same values are read from memory in 1 us: the MT19937 key and position at the bit
+    generator's ctypes address, has_gauss and gauss in the RandomState's own struct beside the
+    pointer it keeps back to its bit generator. That place is found once and proven with two
+    set_state round trips (the stream is put back as it was); where the proof fails (another
+    numpy's layout, or no ctypes interface), get_state is used.
+    """
+
+    _KEY = 624 * 4  # MT19937's key, then its position (int32)
+    _AUG = struct.Struct("<xxxxxxxxixxxxd")  # after the pointer to the bit generator: has_gauss (int32), gauss
+
+    def __init__(self) -> None:
+        self._searched = False
+        self._located: tuple[int, int] | None = None  # the state's and the aug struct's addresses, once proven
+
+    def compact(self) -> tuple[bytes, int, int, float]:
+        if not self._searched:
+            self._searched = True
+            self._located = self._locate()
+        if self._located is None:
+            return self._from_get_state()
+        state_address, aug_address = self._located
+        raw = ctypes.string_at(state_address, self._KEY + 4)
+        has_gauss, gauss = self._AUG.unpack(ctypes.string_at(aug_address, self._AUG.size))
+        return raw[: self._KEY], int.from_bytes(raw[self._KEY :], "little", signed=True), has_gauss, gauss
+
+    @staticmethod
+    def _from_get_state() -> tuple[bytes, int, int, float]:
+        numpy_state = np.random.get_state(legacy=False)
+        return (
+            numpy_state["state"]["key"].tobytes(),
+            int(numpy_state["state"]["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["gauss"]),
+        )
+
+    def _locate(self) -> tuple[int, int] | None:
+        try:
+            legacy = np.random.mtrand._rand
+            state_address = int(legacy._bit_generator.ctypes.state_address)
+            words = ctypes.string_at(id(legacy), type(legacy).__basicsize__)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        offsets = range(0, len(words) - 7, 8)
+        found = [o for o in offsets if int.from_bytes(words[o : o + 8], "little") == state_address]
+        if len(found) != 1:
+            return None
+        bitgen = id(legacy) + found[0]  # the bitgen_t, whose first field is the state's address
+        aug = [o for o in offsets if int.from_bytes(words[o : o + 8], "little") == bitgen]
+        if len(aug) != 1 or aug[0] + self._AUG.size > len(words):
+            return None
+        self._located = located = (state_address, id(legacy) + aug[0])
+        before = np.random.get_state(legacy=False)
+        try:
+            for probe in ((1, 0.123456789), (0, -2.5)):
+                np.random.set_state({**before, "has_gauss": probe[0], "gauss": probe[1]})
+                if self.compact() != self._from_get_state():
+                    return None
+        finally:
+            np.random.set_state(before)
+        return located
+
+
+_NUMPY = _NumpyGlobalStream()
 
 
 def restore_rng(state: dict[str, Any], device: torch.device) -> None:
