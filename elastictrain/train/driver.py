@@ -54,6 +54,7 @@ class StepDriver:
         self.marks_ahead = False  # a step runner marks survivor copies itself (session.rank_state_final)
         self.step_started = time.perf_counter()
         self.summary: RunSummary | None = None
+        self._model_parameters: list[nn.Parameter] | None = None  # gradients_ok's default, listed at its first call
 
     @property
     def global_step(self) -> int:
@@ -88,8 +89,12 @@ class StepDriver:
         if not anomalies.active and clip is None and step not in self.state.anomalies.skipped_steps:
             return True
         if norm is None and (clip is not None or anomalies.check_gradients):
-            parameters = self.model if parameters is None else parameters
-            parameters = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+            if parameters is None:  # the registered model's, listed once: walking its modules every step costs more
+                if self._model_parameters is None:
+                    self._model_parameters = list(self.model.parameters())
+                parameters = self._model_parameters
+            else:
+                parameters = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
             total = clipping_norm(parameters) if clip is not None else None
             norm = float(total) if total is not None else grad_norm(parameters)
         ok = anomalies.gradients_ok(norm, step, loss)
