@@ -203,6 +203,9 @@ def run_size(mb: float, args: argparse.Namespace, scratch: pathlib.Path) -> dict
         "durable_blocked_s": statistics.median(r["blocked_s"] for r in durable) if durable else None,
         "durable_write_s": statistics.median(r["write_s"] for r in durable) if durable else None,
         "fast_blocked_s": statistics.median(r["blocked_s"] for r in local) if local else None,
+        # each copy's (step, seconds blocked): a fast copy at a durable snapshot's step shares it with that write's start
+        "fast_blocked_each": [[r["step"], round(r["blocked_s"], 4)] for r in local],
+        "durable_blocked_each": [[r["step"], round(r["blocked_s"], 4)] for r in durable],
         "survivor_copy_s": float(survivor.group(1)) if survivor else None,
         "restart_restore_s": restored[0]["seconds"] if restored else None,
         "restored_step": restored[0]["step"] if restored else None,
