@@ -63,6 +63,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2) if args.model == "small" else \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
     stamps: list[float] = []
+    snapshots: list[tuple[str, int]] = []  # (tier, step) of each committed snapshot, rank 0's record
 
     def loss_fn(module, batch):
         stamps.append(time.perf_counter())
@@ -83,7 +84,13 @@ def main() -> None:
         dist.destroy_process_group()
     else:
         from elastictrain import Trainer
+        from elastictrain.core.events import Observer
         from elastictrain.train.session import Session
+
+        class Count(Observer):
+            def snapshotted(self, report):
+                if report.committed:
+                    snapshots.append((str(report.tier), report.step))
 
         config = {
             "run": {"dir": args.run_dir},
@@ -94,11 +101,11 @@ def main() -> None:
         for section, values in json.loads(os.environ.get("OVERHEAD_CONFIG", "{}")).items():
             config[section] = merged(config.get(section, {}), values)
         if args.mode == "elastictrain":
-            trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config)
+            trainer = Trainer(model, optimizer, dataset(args.model, samples), loss_fn, config=config, observers=[Count()])
             trainer.fit()
             rank = trainer.session.rank
         else:  # a custom loop on Session, written as its docs say: gradients_ok before each update
-            with Session(config) as session:
+            with Session(config, observers=[Count()]) as session:
                 ddp = session.wrap(model)
                 session.register(model=model, optimizer=optimizer)
                 loader = session.loader(dataset(args.model, samples))
@@ -115,7 +122,9 @@ def main() -> None:
     if rank == 0:
         span = stamps[-1] - stamps[args.warmup]
         with open(args.out, "w") as out:
-            json.dump({"step_s": span / (len(stamps) - 1 - args.warmup), "steps": len(stamps)}, out)
+            timed = [tier for tier, step in snapshots if step > args.warmup]  # in the span timed
+            json.dump({"step_s": span / (len(stamps) - 1 - args.warmup), "steps": len(stamps),
+                       "snapshots_timed": {tier: timed.count(tier) for tier in sorted(set(timed))}}, out)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def step_time(mode: str, model: str, workdir: pathlib.Path) -> float:
     out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
     command = [*TORCHRUN, str(WORKER), "--mode=elastictrain", f"--model={model}", f"--steps={STEPS[model]}",
                f"--out={out}", f"--run-dir={workdir / f'run-{time.time_ns()}'}"]
-    return run_job(command, env_with(OVERHEAD_CONFIG=json.dumps(MODES[mode])), out, f"{mode} on {model}", workdir)
+    return run_job(command, env_with(OVERHEAD_CONFIG=json.dumps(MODES[mode])), out, f"{mode} on {model}", workdir)["step_s"]
 
 
 def check_alone(model_name: str, blocks: int = 12, steps: int = 20) -> float:

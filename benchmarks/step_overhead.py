@@ -42,15 +42,21 @@ MODES = {"hand": None, "elastictrain": {}, "vote_every_step": {"preempt": {"vote
 EVERYTHING = {"snapshot": {"durable": {"every_steps": 50, "async_write": True},
                            "local": {"every_s": "auto", "survivor_copies": True}},
               "anomaly": {"check_gradients": True}}
-MODES.update({"session": {}, "trainer_all_on": EVERYTHING, "session_all_on": EVERYTHING})
+# The same on time-based cadences, as the snapshot-tiers guide configures them (durable every_s=300 there; 10 s here,
+# so that a job of --steps 10000, ~25 s, holds two or three durable snapshots and its fast copies in the span timed).
+TIMED = {"snapshot": {"durable": {"every_steps": 0, "every_s": 10, "async_write": True},
+                      "local": {"every_s": "auto", "survivor_copies": True}},
+         "anomaly": {"check_gradients": True}}
+MODES.update({"session": {}, "trainer_all_on": EVERYTHING, "session_all_on": EVERYTHING,
+              "trainer_timed": TIMED, "session_timed": TIMED})
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the fast tier's copies: in node memory, as the guide says
-WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session"}  # the rest: Trainer
+WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session", "session_timed": "session"}  # the rest: Trainer
 
 
 def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, fast: pathlib.Path,
-             root: pathlib.Path = REPO_ROOT) -> float:
-    """One job of ``mode`` on ``model``; ``fast``: where fast copies go; ``root``: the checkout whose elastictrain it
-    runs (``--before``)."""
+             root: pathlib.Path = REPO_ROOT) -> dict:
+    """One job of ``mode`` on ``model``: rank 0's ``{"step_s", "snapshots_timed"}`` (snapshots committed in the span
+    timed, per tier); ``fast``: where fast copies go; ``root``: the checkout whose elastictrain it runs (``--before``)."""
     out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
                "--rdzv-endpoint=127.0.0.1:0", str(root / WORKER.relative_to(REPO_ROOT)),
@@ -64,8 +70,8 @@ def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, fast: pat
     return run_job(command, env, out, f"{mode} on {model}", workdir)
 
 
-def run_job(command: list[str], env: dict[str, str], out: pathlib.Path, label: str, workdir: pathlib.Path) -> float:
-    """Run one benchmark job whose rank 0 writes ``{"step_s": ...}`` to ``out``, and return that step time."""
+def run_job(command: list[str], env: dict[str, str], out: pathlib.Path, label: str, workdir: pathlib.Path) -> dict:
+    """Run one benchmark job whose rank 0 writes ``{"step_s": ...}`` to ``out``, and return what it wrote."""
     job = procs.launch(command, log_path=workdir / f"{out.stem}.log", env=env, cwd=REPO_ROOT)
     try:
         # The textbook loop can hang in destroy_process_group at exit (gloo's threads and the GIL;
@@ -84,7 +90,7 @@ def run_job(command: list[str], env: dict[str, str], out: pathlib.Path, label: s
     if code != 0:
         print(f"{label}: result written, then {'hung at exit' if code is None else f'exit {code}'}; "
               "job killed, result kept", file=sys.stderr, flush=True)
-    return json.loads(out.read_text())["step_s"]
+    return json.loads(out.read_text())
 
 
 def load() -> float:
@@ -114,13 +120,16 @@ def main() -> None:
         workdir = pathlib.Path(tmp)
         for model in args.models.split(","):
             n = args.steps or (200 if model == "wide" else 600)
-            times = {mode: [] for mode in modes}
+            times, snapshots = {mode: [] for mode in modes}, {mode: [] for mode in modes}
             for repeat in range(args.repeats):
                 order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]  # rotate the order
                 for mode in order:
-                    times[mode].append(run_once(mode.removesuffix("@before"), model, n, workdir, pathlib.Path(fast), roots[mode]))
+                    job = run_once(mode.removesuffix("@before"), model, n, workdir, pathlib.Path(fast), roots[mode])
+                    times[mode].append(job["step_s"])
+                    snapshots[mode].append(job.get("snapshots_timed", {}))
                 loads.append(load())
             results[model] = {f"{mode}_step_ms": [t * 1e3 for t in times[mode]] for mode in modes}
+            results[model].update({f"{mode}_snapshots_timed": snapshots[mode] for mode in modes if any(snapshots[mode])})
             for mode in modes[1:]:
                 ratios = [e / h for e, h in zip(times[mode], times["hand"], strict=True)]
                 results[model][f"{mode}_ratios"] = ratios
@@ -141,6 +150,8 @@ def main() -> None:
                 f" | {r[mode + '_over_before_median']:.3f} ({min(r[mode + '_over_before_ratios']):.2f}-" \
                 f"{max(r[mode + '_over_before_ratios']):.2f})"
             print(f"| {model} | {mode} | {statistics.median(r[mode + '_step_ms']):.3f} | {ratio}{before} |")
+            if mode + "_snapshots_timed" in r:
+                print(f"  {mode}: snapshots committed in each job's span timed: {r[mode + '_snapshots_timed']}")
     pathlib.Path(args.out).write_text(json.dumps({
         "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats, "modes": modes,
         "load_average": loads, "results": results,

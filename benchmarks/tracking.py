@@ -47,7 +47,7 @@ def run_once(mode: str, config: dict, model: str, steps: int, workdir: pathlib.P
                f"--steps={steps}", f"--out={out}", f"--run-dir={run_dir}"]
     env = {**os.environ, "OVERHEAD_CONFIG": json.dumps({**COMMON, **config}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return run_job(command, env, out, f"{mode} on {model}", workdir)
+    return run_job(command, env, out, f"{mode} on {model}", workdir)["step_s"]
 
 
 def main() -> None:
