@@ -161,6 +161,31 @@ def test_the_anomaly_log_keeps_what_it_learned_and_the_preset_list_apart():
     assert again.counts["data"] == 1 and again.rollbacks == 1
 
 
+def test_a_replay_under_way_is_in_the_snapshot_and_an_attempt_restarted_mid_replay_concludes_it(tmp_path):
+    # A preemption or a lost peer between a rollback and its replayed step: the next attempt restores a snapshot
+    # taken after the rollback and must still watch that step, and say what it was when it passes.
+    from types import SimpleNamespace
+
+    from elastictrain.core.config import AnomalyConfig
+    from elastictrain.health.anomalies import Anomalies
+    from elastictrain.health.anomaly_state import Verdict
+
+    ctx = SimpleNamespace(is_main=True, world_size=2)
+    first = Anomalies(AnomalyConfig(), AnomalyLog(), GradNormStatistic())
+    first.attach(ctx, None)
+    first.rolled_back(Verdict("rollback", 600, (0,), math.inf, "gradient norm"), None, restored_step=573)
+    torch.save(first.record.state_dict(), tmp_path / "state.pt")  # as a snapshot saves it, read as a restore does
+
+    restarted = Anomalies(AnomalyConfig(), AnomalyLog(), GradNormStatistic())
+    restarted.attach(ctx, None)
+    restarted.record.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert restarted.replaying == 600 and restarted.verifying(600) and not restarted.verifying(599)
+    assert restarted.due(599, fast_tier=True).local_snapshot, "a copy of the step before, should it recur"
+    restarted.replayed_clean(600)
+    assert [(e["step"], e["decision"]) for e in restarted.record.entries] == [(600, "rollback"), (600, "transient")]
+    assert restarted.replaying is None and restarted.record.state_dict()["replay"] is None
+
+
 # -- in one process -------------------------------------------------------------------------------
 
 

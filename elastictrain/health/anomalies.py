@@ -74,8 +74,6 @@ class Anomalies:
         self.agreed = cfg.policy == "skip"
         self.host = socket.gethostname()
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
-        self.replaying: int | None = None  # the anomalous step a replay is heading for
-        self.replay_origin: Verdict | None = None  # what was seen the first time, for the transient line
         self._index = 0  # which gradients_ok call of the step
         self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
         self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
@@ -83,6 +81,16 @@ class Anomalies:
         self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
         self.events: Any = None
         self.ctx: DistContext | None = None
+
+    @property
+    def replaying(self) -> int | None:
+        """The anomalous step a replay is heading for (in the anomaly log: a restart mid-replay goes on with it)."""
+        return self.record.replay.step if self.record.replay is not None else None
+
+    @property
+    def replay_origin(self) -> Verdict | None:
+        """What the replayed step's anomaly was the first time, for the transient line."""
+        return self.record.replay
 
     def attach(self, ctx: DistContext, events: Any) -> None:
         self.ctx, self.events = ctx, events
@@ -237,7 +245,7 @@ class Anomalies:
     def replayed_clean(self, step: int) -> None:
         """The replay passed the anomalous step with no anomaly on any rank: a transient fault."""
         seen = self.replay_origin
-        self.replaying, self.replay_origin = None, None
+        self.record.replay = None
         assert seen is not None  # replaying: the verdict being replayed
         entry = {
             "step": step,
@@ -310,7 +318,7 @@ class Anomalies:
             "origin": list(verdict.origin),
         }
         if verdict.action == "data":
-            self.replaying, self.replay_origin = None, None
+            self.record.replay = None
             if samples is not None:
                 samples = of_ranks(samples, verdict.origin, self._attached.world_size, rank_batch)
                 self.record.skipped_samples.update(samples)
@@ -333,7 +341,7 @@ class Anomalies:
                     self.cfg.max_rollbacks,
                 )
         else:
-            self.replaying, self.replay_origin = verdict.step, verdict
+            self.record.replay = verdict
             self.record.add(**entry)
             if self._attached.is_main:
                 log.warning(

@@ -99,6 +99,9 @@ class AnomalyLog:
         self.skipped_steps: set[int] = set()  # steps whose update is not taken (a loop without map-style data)
         self.entries: list[dict[str, Any]] = []
         self.counts = {"skip": 0, "rollback": 0, "data": 0, "transient": 0}
+        # A rollback's replay under way: its verdict, until the replay passes the step (transient) or it recurs. Saved,
+        # so that an attempt restarted in the middle of a replay still concludes it (a preemption, a lost peer).
+        self.replay: Verdict | None = None
 
     def add(self, **entry: Any) -> None:
         self.entries.append(entry)
@@ -114,6 +117,7 @@ class AnomalyLog:
             "skipped_steps": sorted(self.skipped_steps),
             "entries": [dict(e) for e in self.entries],
             "counts": dict(self.counts),
+            "replay": None if self.replay is None else _verdict_state(self.replay),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -122,3 +126,20 @@ class AnomalyLog:
         self.skipped_steps = {int(s) for s in state_dict.get("skipped_steps", [])}
         self.entries = [dict(e) for e in state_dict.get("entries", [])]
         self.counts = {**self.counts, **{k: int(v) for k, v in state_dict.get("counts", {}).items()}}
+        replay = state_dict.get("replay")
+        self.replay = None if replay is None else _verdict_from(replay)
+
+
+def _verdict_state(verdict: Verdict) -> dict[str, Any]:
+    return {**vars(verdict), "ranks": list(verdict.ranks), "origin": list(verdict.origin)}
+
+
+def _verdict_from(state: dict[str, Any]) -> Verdict:
+    return Verdict(
+        action=str(state["action"]),
+        step=int(state["step"]),
+        ranks=tuple(int(r) for r in state["ranks"]),
+        value=float(state["value"]),
+        kind=str(state["kind"]),
+        origin=tuple(int(r) for r in state["origin"]),
+    )
