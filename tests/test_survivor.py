@@ -141,6 +141,23 @@ def test_numpys_cached_gaussian_survives_the_slot_form_read_from_memory_or_from_
     assert np.array_equal(np.random.randn(3), expected)
 
 
+@pytest.mark.parametrize("draws", [0, 1, 2, 700])
+def test_pythons_stream_and_cached_gaussian_survive_the_slot_form_read_from_memory_or_from_getstate(draws, monkeypatch):
+    # 700 draws pass the twister's 624-word regeneration; an odd count of gauss() leaves gauss_next cached.
+    random.seed(11)
+    for _ in range(draws):
+        random.random()
+    random.gauss(0, 1)
+    memory = capture_rng_compact(CPU)
+    assert isinstance(rng_module._PYTHON._located, int)  # this interpreter's memory was found and proven
+    monkeypatch.setattr(rng_module._PYTHON, "_located", None)  # random.getstate, as where memory cannot be read
+    assert capture_rng_compact(CPU)["python"] == memory["python"]
+    expected = (random.gauss(0, 1), random.random())
+    random.seed(0)
+    restore_rng(rng_from_compact(memory), CPU)
+    assert (random.gauss(0, 1), random.random()) == expected
+
+
 class Node:
     """Two ranks of one node as SurvivorCopies sees them: rank 0 survives (this object), rank 1's slot is written by hand."""
 

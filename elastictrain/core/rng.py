@@ -2,7 +2,7 @@
 
 Two forms of a capture: ``capture_rng`` holds tensors, the form a snapshot saves and
 ``torch.load(weights_only=True)`` reads back; ``capture_rng_compact`` holds bytes and ints,
-taken and pickled in about 20 microseconds (a survivor slot, written every step).
+taken and pickled in about 5 microseconds (a survivor slot, written every step).
 ``rng_from_compact`` turns the second into the first; ``restore_rng`` loads it.
 """
 
@@ -38,9 +38,8 @@ def capture_rng(device: torch.device) -> dict[str, Any]:
 
 def capture_rng_compact(device: torch.device) -> dict[str, Any]:
     """``capture_rng``'s states as bytes and ints (``rng_from_compact`` turns them back)."""
-    version, internal, gauss_next = random.getstate()
     state = {
-        "python": (version, array("I", internal).tobytes(), gauss_next),  # 625 words: pickled 3x faster as bytes
+        "python": _PYTHON.compact(),
         "numpy": _NUMPY.compact(),
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
@@ -134,7 +133,58 @@ class _NumpyGlobalStream:
         return located
 
 
+class _PythonGlobalStream:
+    """Python's global stream (the ``random.Random`` behind ``random.*``) as (version, its 625 words as bytes, gauss_next).
+
+    ``random.getstate`` builds a tuple of 625 ints (6 us) that take 9 us more to turn into bytes; the same
+    words are read from the object's memory in under 1 us: the Mersenne Twister's 624-word state and its index
+    just before it. Where they are is found once, by the bytes getstate gives, and proven after a draw; where the
+    proof fails, getstate is used.
+    """
+
+    _WORDS = 624 * 4
+
+    def __init__(self) -> None:
+        self._searched = False
+        self._located: int | None = None  # the address of the index, the state right after it
+
+    def compact(self) -> tuple[int, bytes, float | None]:
+        if not self._searched:
+            self._searched = True
+            self._located = self._locate()
+        if self._located is None:
+            return self._from_getstate()
+        raw = ctypes.string_at(self._located, 4 + self._WORDS)
+        return 3, raw[4:] + raw[:4], random._inst.gauss_next  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _from_getstate() -> tuple[int, bytes, float | None]:
+        version, internal, gauss_next = random.getstate()
+        return version, array("I", internal).tobytes(), gauss_next
+
+    def _locate(self) -> int | None:
+        instance = random._inst
+        before = random.getstate()
+        try:
+            version, words, _ = self._from_getstate()
+            memory = ctypes.string_at(id(instance), type(instance).__basicsize__)
+            offset = memory.find(words[: self._WORDS])
+            if version != 3 or offset < 4 or memory.find(words[: self._WORDS], offset + 1) != -1:
+                return None
+            self._located = id(instance) + offset - 4
+            for _ in range(2):  # the index and the state move with each draw; the proof follows them
+                if self.compact() != self._from_getstate():
+                    return None
+                random.random()
+            return self._located
+        except (AttributeError, TypeError, ValueError):
+            return None
+        finally:
+            random.setstate(before)
+
+
 _NUMPY = _NumpyGlobalStream()
+_PYTHON = _PythonGlobalStream()
 
 
 def restore_rng(state: dict[str, Any], device: torch.device) -> None:
