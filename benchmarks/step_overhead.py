@@ -47,10 +47,16 @@ EVERYTHING = {"snapshot": {"durable": {"every_steps": 50, "async_write": True},
 TIMED = {"snapshot": {"durable": {"every_steps": 0, "every_s": 10, "async_write": True},
                       "local": {"every_s": "auto", "survivor_copies": True}},
          "anomaly": {"check_gradients": True}}
+# What each part of it costs a custom loop: the same without survivor copies, and without the gradient checks.
+TIMED_NO_SURVIVORS = json.loads(json.dumps(TIMED))
+TIMED_NO_SURVIVORS["snapshot"]["local"]["survivor_copies"] = False
+TIMED_NO_CHECKS = {**TIMED, "anomaly": {"check_gradients": False}}
 MODES.update({"session": {}, "trainer_all_on": EVERYTHING, "session_all_on": EVERYTHING,
-              "trainer_timed": TIMED, "session_timed": TIMED})
+              "trainer_timed": TIMED, "session_timed": TIMED,
+              "timed_no_survivors": TIMED_NO_SURVIVORS, "timed_no_checks": TIMED_NO_CHECKS})
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the fast tier's copies: in node memory, as the guide says
-WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session", "session_timed": "session"}  # the rest: Trainer
+WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session", "session_timed": "session",
+               "timed_no_survivors": "session", "timed_no_checks": "session"}  # the rest: Trainer
 
 
 def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, fast: pathlib.Path,

@@ -5,7 +5,7 @@ between the start of a step and its optimizer step: forward and backward only ma
 What differs per rank is small: its RNG state, its stream position (streams only) and its
 metric values since the last reduce (the copy holds them per rank, as a snapshot does). So each
 rank leaves those in a slot of its own in node memory in every step, and again after every metric
-reduce (``StepSlots``, about 12 KB and 0.07 ms), with the step and the length of the metric
+reduce (``StepSlots``, about 11 KB and 13 us), with the step and the length of the metric
 history they go with. A step is marked before its last backward: from there on nothing per rank
 changes within the step (backward and the optimizer step draw no random numbers and read no
 data), and that backward's gradient all-reduce is what lets the peers finish the step, so no peer
