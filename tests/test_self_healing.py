@@ -144,6 +144,29 @@ def test_a_transient_fault_on_one_rank_is_replayed_clean_and_the_run_ends_bitwis
     assert result.summary["params_sha256"] == unbroken(sync).summary["params_sha256"]
 
 
+def test_a_preemption_right_after_a_rollback_resumes_the_replay_and_concludes_it_bitwise(tmp_path, unbroken):
+    # SIGTERM to the agent while rank 0 is inside the rollback: every rank stops at the step rolled back to, which
+    # the durable store already holds, but without the replay. The next launch must still conclude it.
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir(parents=True)
+    job = run(tmp_path, "job", [], env={"ELASTICTRAIN_FAULT": f"grad-inf@{FAULT_STEP}:{tmp_path}",
+                                        "ELASTICTRAIN_FAULT_RANK": "1", "ELASTICTRAIN_FAILPOINT": f"rollback:{failpoints}",
+                                        "ELASTICTRAIN_FAILPOINT_RANK": "0"})
+    procs.wait_for_file(failpoints / "failpoint-rollback.pid", TIMEOUT_S, job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    (failpoints / "failpoint-rollback.resume").touch()
+    job.wait(TIMEOUT_S)
+    first = job.output()
+    assert "preempted at step 30: snapshot committed" in first, first[-5000:]
+    result = finished(run(tmp_path, "job2", []))
+    assert start_steps(result.output) == [30]
+    said = warnings(result.output)
+    assert [line for line in said if line.startswith(f"step {FAULT_STEP + 1} replayed clean: the anomaly (")], said
+    assert result.summary["params_sha256"] == unbroken("ddp").summary["params_sha256"]
+    entries = shown(tmp_path / "run")["anomalies"]["entries"]
+    assert [(e["step"], e["decision"]) for e in entries] == [(FAULT_STEP + 1, "rollback"), (FAULT_STEP + 1, "transient")]
+
+
 def test_a_persistent_anomaly_stops_the_run_past_its_budget_with_one_line_and_the_snapshots_intact(tmp_path):
     # Every rank's gradients at every step from FAULT_STEP on: it recurs on every replay, like data, until the budget.
     job = run(tmp_path, "job", [], max_restarts=2,

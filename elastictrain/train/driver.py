@@ -207,6 +207,9 @@ class StepDriver:
         self.metrics.begin()
         # The skip list first: the data reopens with it.
         self.anomalies.rolled_back(verdict, samples, restored.step, self.shard.batch_size)
+        # The snapshot just restored holds neither what this rollback learned nor the replay it starts: a stop at this
+        # step (a preemption) must write the step again, or the next attempt would forget them.
+        self.state.progress.last_snapshot_step = -1
         if self.data is not None:
             self.data.reopen()
         self.events.rolled_back(rolled_from, restored.step, time.monotonic() - started)
