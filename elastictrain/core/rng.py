@@ -12,10 +12,13 @@ import ctypes
 import random
 import struct
 from array import array
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
+
+Located = TypeVar("Located")
+Compact = TypeVar("Compact")
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -67,7 +70,32 @@ def rng_from_compact(state: dict[str, Any]) -> dict[str, Any]:
     return restored
 
 
-class _NumpyGlobalStream:
+class _ReadFromMemory(Generic[Located, Compact]):
+    """A global stream's state read straight from its object's memory, where that place was found once and proven
+    against the stream's own API; read through that API (slower) where it was not."""
+
+    def __init__(self) -> None:
+        self._searched = False
+        self._located: Located | None = None  # where the state is, once proven
+
+    def compact(self) -> Compact:
+        if not self._searched:
+            self._searched = True  # before _locate: its proof reads through compact()
+            self._located = self._locate()
+        return self._from_api() if self._located is None else self._read(self._located)
+
+    def _read(self, located: Located) -> Compact:
+        raise NotImplementedError
+
+    def _from_api(self) -> Compact:
+        raise NotImplementedError
+
+    def _locate(self) -> Located | None:
+        """Find the state, set ``_located`` and prove that ``compact()`` equals ``_from_api()``; None where it fails."""
+        raise NotImplementedError
+
+
+class _NumpyGlobalStream(_ReadFromMemory[tuple[int, int], tuple[bytes, int, int, float]]):
     """numpy's global stream (the RandomState behind ``np.random.*``) as (key bytes, pos, has_gauss, gauss).
 
     ``np.random.get_state`` builds a dict around a copy of the key: 30 us, most of a survivor mark.
@@ -81,23 +109,13 @@ class _NumpyGlobalStream:
     _KEY = 624 * 4  # MT19937's key, then its position (int32)
     _AUG = struct.Struct("<xxxxxxxxixxxxd")  # after the pointer to the bit generator: has_gauss (int32), gauss
 
-    def __init__(self) -> None:
-        self._searched = False
-        self._located: tuple[int, int] | None = None  # the state's and the aug struct's addresses, once proven
-
-    def compact(self) -> tuple[bytes, int, int, float]:
-        if not self._searched:
-            self._searched = True
-            self._located = self._locate()
-        if self._located is None:
-            return self._from_get_state()
-        state_address, aug_address = self._located
+    def _read(self, located: tuple[int, int]) -> tuple[bytes, int, int, float]:
+        state_address, aug_address = located
         raw = ctypes.string_at(state_address, self._KEY + 4)
         has_gauss, gauss = self._AUG.unpack(ctypes.string_at(aug_address, self._AUG.size))
         return raw[: self._KEY], int.from_bytes(raw[self._KEY :], "little", signed=True), has_gauss, gauss
 
-    @staticmethod
-    def _from_get_state() -> tuple[bytes, int, int, float]:
+    def _from_api(self) -> tuple[bytes, int, int, float]:
         numpy_state = np.random.get_state(legacy=False)
         return (
             numpy_state["state"]["key"].tobytes(),
@@ -126,14 +144,14 @@ class _NumpyGlobalStream:
         try:
             for probe in ((1, 0.123456789), (0, -2.5)):
                 np.random.set_state({**before, "has_gauss": probe[0], "gauss": probe[1]})
-                if self.compact() != self._from_get_state():
+                if self.compact() != self._from_api():
                     return None
         finally:
             np.random.set_state(before)
         return located
 
 
-class _PythonGlobalStream:
+class _PythonGlobalStream(_ReadFromMemory[int, tuple[int, bytes, float | None]]):
     """Python's global stream (the ``random.Random`` behind ``random.*``) as (version, its 625 words as bytes, gauss_next).
 
     ``random.getstate`` builds a tuple of 625 ints (6 us) that take 9 us more to turn into bytes; the same
@@ -144,21 +162,11 @@ class _PythonGlobalStream:
 
     _WORDS = 624 * 4
 
-    def __init__(self) -> None:
-        self._searched = False
-        self._located: int | None = None  # the address of the index, the state right after it
+    def _read(self, located: int) -> tuple[int, bytes, float | None]:
+        raw = ctypes.string_at(located, 4 + self._WORDS)  # the index, then the state
+        return random.Random.VERSION, raw[4:] + raw[:4], random._inst.gauss_next  # type: ignore[attr-defined]
 
-    def compact(self) -> tuple[int, bytes, float | None]:
-        if not self._searched:
-            self._searched = True
-            self._located = self._locate()
-        if self._located is None:
-            return self._from_getstate()
-        raw = ctypes.string_at(self._located, 4 + self._WORDS)
-        return 3, raw[4:] + raw[:4], random._inst.gauss_next  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _from_getstate() -> tuple[int, bytes, float | None]:
+    def _from_api(self) -> tuple[int, bytes, float | None]:
         version, internal, gauss_next = random.getstate()
         return version, array("I", internal).tobytes(), gauss_next
 
@@ -166,14 +174,14 @@ class _PythonGlobalStream:
         instance = random._inst
         before = random.getstate()
         try:
-            version, words, _ = self._from_getstate()
+            version, words, _ = self._from_api()
             memory = ctypes.string_at(id(instance), type(instance).__basicsize__)
             offset = memory.find(words[: self._WORDS])
-            if version != 3 or offset < 4 or memory.find(words[: self._WORDS], offset + 1) != -1:
+            if version != random.Random.VERSION or offset < 4 or memory.find(words[: self._WORDS], offset + 1) != -1:
                 return None
             self._located = id(instance) + offset - 4
             for _ in range(2):  # the index and the state move with each draw; the proof follows them
-                if self.compact() != self._from_getstate():
+                if self.compact() != self._from_api():
                     return None
                 random.random()
             return self._located
