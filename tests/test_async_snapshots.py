@@ -73,9 +73,9 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
     trainer_ref: list[Trainer] = []
     slow_commit = snapshotter_module.Snapshotter._commit
 
-    def commit(self, step, *args):
+    def commit(self, step, *args, **kwargs):
         time.sleep(0.3)  # longer than the 10 steps to the next snapshot: it waits for this one
-        outcome = slow_commit(self, step, *args)
+        outcome = slow_commit(self, step, *args, **kwargs)
         steps_when_written.append((step, trainer_ref[0].progress.global_step))
         return outcome
 
@@ -105,10 +105,10 @@ def test_a_background_snapshot_holds_its_own_step_while_training_goes_on(monkeyp
 def test_a_background_write_that_fails_for_good_stops_the_run_at_the_next_step(monkeypatch, failing_step):
     real_commit = SnapshotStore.commit
 
-    def commit(self, step, writers, meta, written=None):
+    def commit(self, step, writers, meta, written=None, recycle=True):
         if step == failing_step:
             raise StorageError(f"snapshot step {step} could not be written: no space left on device")
-        return real_commit(self, step, writers, meta, written)
+        return real_commit(self, step, writers, meta, written, recycle)
 
     monkeypatch.setattr(SnapshotStore, "commit", commit)
     url = memory_url()

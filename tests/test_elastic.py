@@ -14,8 +14,10 @@ node 0 (rank 0, host of the workers' store). With c10d, losing agent 0 ends the 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from tests.conftest import JobResult, WARM, job_env, parse_job, torchrun_command
 from tests.helpers import procs
 from tests.helpers.agents import NodeGroup
 from tests.helpers.etcd import EtcdServer
+from tests.helpers.jobs import start_steps
 from tests.helpers.tasks import read_traces
 from tests.helpers.tracked import once_each, series_of, tensorboard_points
 
@@ -216,6 +219,9 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
     MLflow run rank 0 opened (a local MLflow store): the relaunch goes on in that run, not a new one.
     """
     mlflow = pytest.importorskip("mlflow")
+    # The store's schema made before the job: MLflow migrates a new sqlite file for seconds, in the tracker's thread
+    # while training goes on, and the kill below would leave it half migrated (every later reader then fails).
+    mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db").search_experiments()
     (tmp_path / "trace").mkdir()
     overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
                  f"task.args.pauses=[[0,{KILL_STEP}]]", f"track.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
@@ -233,15 +239,86 @@ def test_with_c10d_losing_the_node_that_hosts_the_rendezvous_ends_the_job_and_th
 
     shutil.rmtree(tmp_path / "shm-node0")  # the lost node's memory is gone with it
     (node1_copies,) = (tmp_path / "shm-node1" / "default").iterdir()  # <run.name>/<run id>: the run's own directory
-    assert [s.step for s in SnapshotStore(str(node1_copies)).list_snapshots()] == [30, 35]
+    # and rank 1's survivor copy of step 36, which names rank 0: its slot was in node 0's memory
+    assert [s.step for s in SnapshotStore(str(node1_copies)).list_snapshots()] == [30, 35, 36]
     nodes.launch(0, host_store=True)
     nodes.launch(1, host_store=False)
     assert nodes.wait(TIMEOUT_S) == {0: 0, 1: 0}, nodes.output()[-6000:]
     output = nodes.agents[0].output()
     assert "restored step 35 from the node-local tier of node 1 (rank 1), sent to this rank" in output, output[-4000:]
+    assert "WARNING the survivor copy of step 36 in " in nodes.agents[1].output()  # passed over: rank 0's slot is gone
     assert parse_job(output).summary["step"] == str(STEPS)
     assert not (tmp_path / "shm-node1" / "default").exists(), "DONE gives each node's memory back"
     assert nodes.leftover_pids() == []
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert len(runs) == 1, f"one MLflow run across the lost node and the relaunch, found {len(runs)}"
+
+def test_a_worker_killed_on_one_node_restores_from_the_other_nodes_survivor_copy_and_its_own_slot_bitwise(tmp_path):
+    """Two nodes, one worker each, the fast tier in each node's memory, no durable snapshot in between: rank 1's
+    worker is SIGKILLed in the forward pass of step 30. Rank 0, the survivor on the other node, copies step 29 from
+    its live model with its own state and names rank 1, whose state stays in its node's slot (slots.py); the restart
+    reads the copy on node 0 and rank 1's state on node 1, and redoes exactly the step that was cut short."""
+    kill_step = 30
+    for name in ("trace", "unbroken/trace"):
+        (tmp_path / name).mkdir(parents=True)
+    unbroken = procs.launch(
+        torchrun_command([*JOB, f"run.dir={tmp_path / 'unbroken' / 'run'}",
+                          f"task.args.trace_dir={tmp_path / 'unbroken' / 'trace'}"]),
+        log_path=tmp_path / "unbroken" / "job.log", env={**job_env(), **ENV}, cwd=tmp_path / "unbroken")
+    overrides = [*JOB, "snapshot.durable.every_steps=0", "snapshot.local.every_steps=0",
+                 f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK", f"run.dir={tmp_path / 'run'}",
+                 f"task.args.trace_dir={tmp_path / 'trace'}", f"task.args.pauses=[[1,{kill_step}]]"]
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], rdzv_conf=RDZV_CONF, env=ENV)
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    pid = int(procs.wait_for_file(tmp_path / "trace" / f"paused-rank1-call{kill_step}.pid", TIMEOUT_S, nodes.agents[1]))
+    os.kill(pid, signal.SIGKILL)
+    assert nodes.wait(TIMEOUT_S) == {0: 0, 1: 0}, nodes.output()[-6000:]
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
+
+    output = nodes.output()
+    copied = kill_step - 1
+    assert re.search(rf"r0 a0\] WARNING survivor copy of step {copied} written to \S+ in [\d.]+ s: the restart redoes "
+                     r"only the step that was cut short \(the state of rank\(s\) 1 stays in their nodes' slots\)",
+                     output), output[-6000:]
+    assert f"restored step {copied} from the node-local tier of node 0 (rank 0) (a survivor copy)" in output
+    assert f"the state of rank(s) 1 at step {copied} came from their nodes' survivor slots" in output
+    result = parse_job(nodes.agents[0].output())
+    assert start_steps(nodes.agents[0].output()) == [0, copied], "one restart, from the survivor copy"
+    assert result.summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
+    assert nodes.leftover_pids() == []
+
+
+def test_a_survivor_copy_whose_other_node_is_lost_is_passed_over_for_an_older_copy_and_removed(tmp_path):
+    """Node 1 is lost in step 33 (agent and worker): rank 0 copies step 32 and names rank 1, whose slot went with
+    its node. The world of one cannot complete that copy: it restores the newest timed copy (step 30) and removes
+    the survivor copy, so that it never outranks the copies written next; it ends bitwise equal to an unbroken run."""
+    kill_step, bitwise = 33, ["train.virtual_shards=2"]
+    for name in ("trace", "unbroken/trace"):
+        (tmp_path / name).mkdir(parents=True)
+    unbroken = procs.launch(
+        torchrun_command([*JOB, *bitwise, f"run.dir={tmp_path / 'unbroken' / 'run'}",
+                          f"task.args.trace_dir={tmp_path / 'unbroken' / 'trace'}"]),
+        log_path=tmp_path / "unbroken" / "job.log", env={**job_env(), **ENV}, cwd=tmp_path / "unbroken")
+    overrides = [*JOB, *bitwise, "snapshot.local.every_steps=5", f"snapshot.local.url={tmp_path}/shm-node$GROUP_RANK",
+                 f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={tmp_path / 'trace'}",
+                 f"task.args.pauses=[[1,{kill_step}]]"]
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+                      env=ENV)
+    nodes.launch(0, host_store=True)
+    nodes.launch(1, host_store=False)
+    procs.wait_for_file(tmp_path / "trace" / f"paused-rank1-call{kill_step}.pid", TIMEOUT_S, nodes.agents[1])
+    nodes.kill(1)
+    assert nodes.wait(TIMEOUT_S)[0] == 0, nodes.output()[-6000:]
+    assert unbroken.wait(TIMEOUT_S) == 0, unbroken.output()[-4000:]
+
+    output = nodes.agents[0].output()
+    assert f"WARNING survivor copy of step {kill_step - 1} written to " in output, output[-6000:]
+    assert re.search(rf"WARNING the survivor copy of step {kill_step - 1} in \S+ is not restored: it needs the slots of "
+                     r"rank\(s\) 1, which no node holds at that step now \(a node lost with its memory\); removed",
+                     output), output[-6000:]
+    assert "restored step 30 from the node-local tier of node 0 (rank 0)" in output
+    assert start_steps(output) == [0, 30]
+    assert parse_job(output).summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
+    assert nodes.leftover_pids() == []

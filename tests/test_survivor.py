@@ -23,12 +23,13 @@ from elastictrain.dist.group import DistContext
 from elastictrain.launcher.launch_env import LaunchEnv
 from elastictrain.dist.reduce import WeightedSums
 from elastictrain.core import rng as rng_module
-from elastictrain.core.rng import capture_rng_compact, restore_rng, rng_from_compact
+from elastictrain.core.rng import capture_rng, capture_rng_compact, restore_rng, rng_from_compact
 from elastictrain.core.progress import History, Progress
 from elastictrain.snapshot.format import load_object
 from elastictrain.snapshot.local_tier import LocalTier
 from elastictrain.storage.snapshot_store import SnapshotStore
-from elastictrain.snapshot.survivor import StepSlots, SurvivorCopies
+from elastictrain.snapshot.slots import SLOT_DIR, InSlots, StepSlots, choose_partial, node_keys, states_in
+from elastictrain.snapshot.survivor import SurvivorCopies
 
 CPU = torch.device("cpu")
 
@@ -62,7 +63,7 @@ def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from elastictrain.snapshot.survivor import StepSlots
+        from elastictrain.snapshot.slots import SLOT_DIR, InSlots, StepSlots, choose_partial, node_keys, states_in
         slots = StepSlots({str(tmp_path)!r}, rank=0, local_rank=0)
         slots.open()
         print("open", flush=True)
@@ -161,8 +162,9 @@ def test_pythons_stream_and_cached_gaussian_survive_the_slot_form_read_from_memo
 class Node:
     """Two ranks of one node as SurvivorCopies sees them: rank 0 survives (this object), rank 1's slot is written by hand."""
 
-    def __init__(self, tmp_path, round_id: str = "round-a") -> None:
-        cfg = load_config(None, [f"snapshot.local.url={tmp_path / 'shm'}"])
+    def __init__(self, tmp_path, round_id: str = "round-a", local_world_size: int | None = None,
+                 overrides: tuple[str, ...] = ()) -> None:
+        cfg = load_config(None, [f"snapshot.local.url={tmp_path / 'shm'}", *overrides])
         ctx = DistContext(LaunchEnv("torchrun", rank=0, local_rank=0, world_size=2), True, CPU, "gloo", 60.0,
                           round_id=round_id)
         torch.manual_seed(0)
@@ -173,7 +175,9 @@ class Node:
         fast = LocalTier(cfg, ctx, self.model, {"progress": self.progress, "history": self.history},
                          rank_statefuls={"train_sums": self.sums})
         self.store = SnapshotStore(fast.url)
-        self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state_now)
+        self.fast = fast
+        self.copies = SurvivorCopies(fast, 2, round_id, self.progress, self.history, fast.rank_state_now,
+                                     local_world_size)
         self.copies.open()
         self.peer = StepSlots(self.copies.slots.directory, rank=1, local_rank=1)
         self.peer.open()
@@ -298,12 +302,96 @@ def test_a_step_the_fast_tier_already_holds_is_not_written_again(node):
     assert node.store.latest_valid()[0].created_unix == first
 
 
-def test_survivor_copies_apply_only_to_one_node_groups_without_float_buffers(tmp_path):
+def test_survivor_copies_apply_to_ddp_groups_on_any_number_of_nodes_without_float_buffers(tmp_path):
     fast = SimpleNamespace(sharded=None)  # a fast tier under DDP
     assert SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 2, 2) is None
+    assert SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 4, 2) is None  # two nodes: the others' slots at restore
     assert "fsdp" in SurvivorCopies.applies(SimpleNamespace(sharded=object()), torch.nn.Linear(2, 2), 2, 2)
     assert "no fast tier" in SurvivorCopies.applies(None, torch.nn.Linear(2, 2), 2, 2)
     assert "single worker" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 1, 1)
-    assert "not all on one node" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 4, 2)
     assert "LOCAL_WORLD_SIZE" in SurvivorCopies.applies(fast, torch.nn.Linear(2, 2), 2, None)
     assert "floating-point buffers" in SurvivorCopies.applies(fast, torch.nn.BatchNorm1d(2), 2, 2)
+
+
+# --- a job across nodes: the copy names the ranks whose state stays in their own nodes' slots ---
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Rank 0 alone on its node (local world 1 of 2): rank 1's slot is on the other node, another directory."""
+    n = Node(tmp_path, local_world_size=1)  # the fast tier keeps two copies, and writes a third over the oldest
+    other = StepSlots(str(tmp_path / "other-node" / SLOT_DIR), rank=1, local_rank=0)
+    other.open()
+    n.other = other
+    yield n
+    other.close()
+    n.close()
+
+
+def other_node_marks(node, step: int, records: int = 0, round_id: str = "round-a", seed: int = 99):
+    torch.manual_seed(seed)
+    sums = {"train_sums": {"names": ["loss"], "values": [7.0], "samples": [3]}}
+    node.other.write({"step": step, "records": records, "round": round_id, "rng": capture_rng_compact(CPU),
+                      "rank_state": sums})
+    return torch.get_rng_state()
+
+
+def test_a_survivor_across_nodes_copies_its_own_nodes_ranks_names_the_others_and_prunes_nothing(two_nodes):
+    node = two_nodes
+    assert list(node.copies.node_ranks) == [0]
+    every_rank = {"rng": capture_rng(CPU), **node.fast.rank_state_now()}  # timed copies: every rank's state
+    for step in (4, 5):
+        node.fast.save_survivor(step, [every_rank, every_rank], {"epoch": 0, "epoch_offset": 0, "world_size": 2})
+    node.at(7, records=1)
+    node.copies.mark(CPU)
+    node.peer_marks(3)  # a slot of rank 1 on this node too, of an earlier attempt: not this node's rank now
+    assert node.write() == 7  # on one node this copy would need rank 1's slot here; across nodes it names it
+    assert node.steps() == [4, 5, 7], "a copy that needs another node's slots prunes (or recycles) nothing"
+    complete, partial = node.fast.newest_local()
+    assert partial.manifest.step == 7 and complete.manifest.step == 5
+    assert partial.manifest.meta["in_slots"] == {"ranks": [1], "key": [7, 1, "round-a"]}
+    state = load_object(partial.objects["state.pt"], "copy")
+    assert state["rng"][1] is None and state["rank_states"]["train_sums"][1] is None
+    assert state["rank_states"]["train_sums"][0] is not None
+
+    node.fast.discard(7)
+    assert node.steps() == [4, 5]
+    assert node.fast.newest_local()[1] is None
+
+
+@pytest.mark.parametrize(
+    "partials, keys, newer_than, chosen",
+    [
+        # one node's copy of step 7 names rank 1, whose node still holds its slot at the copy's key
+        ([InSlots(7, (1,), (7, 1, "r")), None], [{0: [(7, 1, "r")]}, {1: [(7, 1, "r"), (6, 1, "r")]}], 5, 0),
+        # the key must match all three: step, metric records, round
+        ([InSlots(7, (1,), (7, 1, "r")), None], [{}, {1: [(7, 0, "r")]}], 5, None),
+        ([InSlots(7, (1,), (7, 1, "r")), None], [{}, {1: [(7, 1, "other")]}], 5, None),
+        # rank 1's node is gone (a lost node): nothing to complete it with
+        ([InSlots(7, (1,), (7, 1, "r"))], [{0: [(7, 1, "r")]}], 5, None),
+        # a complete copy as new or newer wins
+        ([InSlots(7, (1,), (7, 1, "r")), None], [{}, {1: [(7, 1, "r")]}], 7, None),
+        # two ranks named: both needed
+        ([InSlots(9, (2, 3), (9, 0, "r"))], [{2: [(9, 0, "r")]}], 5, None),
+        ([InSlots(9, (2, 3), (9, 0, "r"))], [{2: [(9, 0, "r")], 3: [(9, 0, "r")]}], 5, 0),
+        # the newest usable one
+        ([InSlots(7, (1,), (7, 0, "r")), InSlots(8, (0,), (8, 0, "r"))], [{0: [(8, 0, "r")]}, {1: [(7, 0, "r")]}], 5, 1),
+        ([None, None], [{}, {}], -1, None),
+    ],
+)
+def test_choose_partial(partials, keys, newer_than, chosen):
+    assert choose_partial(partials, keys, newer_than) == chosen
+
+
+def test_a_nodes_slots_give_the_named_ranks_state_at_the_copys_key_and_nothing_else(two_nodes):
+    node = two_nodes
+    rng_at_7 = other_node_marks(node, 7, records=1)
+    other_node_marks(node, 8, records=1, seed=5)  # the slot's newest record: a step later
+    directory = node.other.directory
+    assert node_keys(directory) == {1: [(8, 1, "round-a"), (7, 1, "round-a")]}
+    states = states_in(directory, InSlots(7, (1,), (7, 1, "round-a")))
+    assert list(states) == [1]
+    assert torch.equal(states[1]["rng"]["torch"], rng_at_7)
+    assert states[1]["train_sums"] == {"names": ["loss"], "values": [7.0], "samples": [3]}
+    assert states_in(directory, InSlots(7, (1,), (7, 2, "round-a"))) == {}
+    assert node_keys(str(node.other.directory) + "-missing") == {}

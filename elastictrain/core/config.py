@@ -159,8 +159,9 @@ class LocalTierConfig(_Section):
     # training, a background write only competes with the step, and false costs less (benchmarks/README.md).
     async_write: bool = False
     # When a worker dies inside a step, the node's lowest surviving rank writes a fast copy of the step
-    # before it (elastictrain/snapshot/survivor.py), so the restart redoes only that step. Single-node groups,
-    # models without floating-point buffers, not dist.strategy=fsdp; each rank leaves ~12 KB per step in node memory.
+    # before it (elastictrain/snapshot/survivor.py), so the restart redoes only that step. Across nodes too (the
+    # other nodes' ranks restore their state from their own nodes' slots); models without floating-point buffers,
+    # not dist.strategy=fsdp; each rank leaves ~12 KB per step in node memory.
     survivor_copies: bool = True
 
 

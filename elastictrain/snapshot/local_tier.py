@@ -94,17 +94,30 @@ class LocalTier(Snapshotter):
             )
         return None
 
-    def newest_local(self) -> Verified | None:
-        """This node's newest fast copy that verifies, or None. Read on each node's writer, and on every rank when the
-        job runs on one node (``restore.py``: then nothing is sent)."""
+    def newest_local(self) -> tuple[Verified | None, Verified | None]:
+        """This node's newest fast copy that verifies and holds every rank's state, and a newer one that verifies but
+        leaves ranks' state in their nodes' slots (a survivor copy of a job across nodes: ``slots.py``), each or None.
+        Read on each node's writer, and on every rank when the job runs on one node (``restore.py``: then nothing is
+        sent)."""
         if not self.is_writer:
             # tests: the copy changes after the node's writer read it (no step yet: the attempt's restart count instead)
             failpoints.hit("node-copy-read", self.ctx.env.restart_count)
+        partial = None
         try:
-            return self.store.latest_valid()
+            found = self.store.latest_valid()
+            if found is not None and found.manifest.meta.get("in_slots"):
+                partial, found = found, self.store.latest_valid(below=found.manifest.step)
         except ElastictrainError as exc:  # nothing usable here; another node or the durable store may have one
             log.warning("node-local snapshots at %s are not usable: %s", self.store.url, exc)
-            return None
+            return None, partial
+        return found, partial
+
+    def discard(self, step: int) -> None:
+        """Remove this node's copy of ``step`` (a survivor copy that needs other nodes' slots, once restoring saw it)."""
+        try:
+            self.store.fs.rm(self.store.prefix_url(step), recursive=True)
+        except (OSError, ValueError) as exc:
+            log.warning("could not remove the node-local copy of step %d at %s: %s", step, self.store.url, exc)
 
     def clear(self) -> None:
         """Remove this node's fast copies (at DONE, PREEMPTED, or when a run starts fresh)."""
@@ -182,15 +195,17 @@ class LocalTier(Snapshotter):
         outcome = self._commit(step, None, self._state_dict(rank_states), {**meta, **copy.meta}, started, copy.written)
         return outcome.report(step, time.monotonic() - started, self.tier)
 
-    def save_survivor(self, step: int, rank_states: list[dict], meta: dict[str, Any]) -> SnapshotReport | None:
+    def save_survivor(
+        self, step: int, rank_states: list[dict], meta: dict[str, Any], prune: bool = True
+    ) -> SnapshotReport | None:
         """The fast tier, on the node's lowest surviving rank after a peer was lost: commit ``step`` from the live
         model and every rank's state (``survivor.py``), with no collective (the group is broken). None when the
-        tier already holds a committed copy of this step."""
+        tier already holds a committed copy of this step. ``prune``: False keeps the copies before it."""
         started = time.monotonic()
         self._writes.join()  # this rank's own copy in flight first: one writer at a time
         if any(s.step == step and s.manifest is not None for s in self.store.list_snapshots()):
             return None
-        outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started)
+        outcome = self._commit(step, self.model.state_dict(), self._state_dict(rank_states), meta, started, prune=prune)
         return outcome.report(step, time.monotonic() - started, self.tier)
 
     def _holds_a_copy(self) -> bool:

@@ -10,6 +10,7 @@ offer the shard files they hold, and a copy they hold together is restored (``fa
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +30,7 @@ from elastictrain.snapshot.resume_checks import (
     start_fresh_advice,
     warn_on_changed_hyperparameters,
 )
+from elastictrain.snapshot.slots import SLOT_DIR, InSlots, choose_partial, node_keys, states_in
 from elastictrain.storage.manifest import Manifest, Verified
 
 if TYPE_CHECKING:
@@ -64,7 +66,9 @@ class FastTier(SnapshotTier, Protocol):
 
     def join_run(self, run_id: str) -> str | None: ...
 
-    def newest_local(self) -> Verified | None: ...
+    def newest_local(self) -> tuple[Verified | None, Verified | None]: ...
+
+    def discard(self, step: int) -> None: ...
 
     def clear(self) -> None: ...
 
@@ -90,6 +94,8 @@ def restore_newest(
     resume = durable.cfg.snapshot.resume or rollback
     local_steps: tuple[int, ...] = (-1,)
     local_found: Verified | None = None
+    partial_found: Verified | None = None  # a survivor copy newer than local_found that needs other nodes' slots
+    partial_holder: int | None = None
     shard_offers: dict[fast_restore.CopyKey, fast_restore.NodeOffer] = {}  # this rank's
     every_offer: list[dict[fast_restore.CopyKey, fast_restore.NodeOffer]] = []  # every rank's
     shard_copy: fast_restore.CopyKey | None = None
@@ -103,11 +109,21 @@ def restore_newest(
         elif fast.sharded is not None:  # fsdp: each node offers the files it holds (fast_restore.py)
             shard_offers = fast_restore.offer(fast)
         elif fast.is_writer or len(set(nodes)) == 1:  # on one node every rank reads its copy at once: none is sent
-            local_found = fast.newest_local()
+            local_found, partial_found = fast.newest_local()
         local_step = local_found.manifest.step if local_found else -1
-        local_steps, offers = zip(*all_gather((local_step, shard_offers), durable.ctx))
+        partial = InSlots.from_meta(partial_found.manifest.step, partial_found.manifest.meta) if partial_found else None
+        keys = node_keys(os.path.join(fast.store.root, SLOT_DIR)) if fast.is_writer and fast.sharded is None else {}
+        local_steps, offers, partials, every_keys = zip(
+            *all_gather((local_step, shard_offers, partial, keys), durable.ctx)
+        )
         every_offer = list(offers)
         shard_copy = fast_restore.choose(every_offer) if fast.sharded is not None else None
+        partial_holder = choose_partial(list(partials), list(every_keys), newer_than=max(local_steps))
+        if partial_holder is not None:  # a survivor copy whose missing ranks' slots are all still there: the newest
+            chosen = partials[partial_holder]
+            assert chosen is not None  # choose_partial chooses a rank that offered one
+            local_steps = tuple(chosen.step if rank == partial_holder else s for rank, s in enumerate(local_steps))
+            local_found = partial_found if partial_found is not None and partial == chosen else None
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
     read: dict[
         str, Any
@@ -165,7 +181,11 @@ def restore_newest(
         holder = local_steps.index(newest_local)
         manifest = broadcast_from_main(local_found.manifest if local_found else None, durable.ctx, src=holder)
         objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
-        load_snapshot(durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep)
+        in_slots = InSlots.from_meta(manifest.step, manifest.meta)
+        states = slot_states(fast, durable.ctx, in_slots) if in_slots is not None else None
+        load_snapshot(
+            durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep, states=states
+        )
         log.info(
             "%s step %d from the node-local tier of node %d (rank %d)%s%s",
             "rolled back to" if rollback else "restored",
@@ -175,7 +195,27 @@ def restore_newest(
             " (a survivor copy)" if manifest.meta.get("survivor") else "",
             how,
         )
+        if in_slots is not None:
+            log.info(
+                "the state of rank(s) %s at step %d came from their nodes' survivor slots",
+                ", ".join(map(str, in_slots.ranks)),
+                manifest.step,
+            )
     else:
+        manifest = None
+    if partial_found is not None and fast is not None and fast.is_writer:
+        # Read at most once: from here on this attempt's ranks write their slots afresh, and no restore could
+        # complete it again (left, it would outrank the copies the job writes next).
+        if partial_holder is None and (manifest is None or manifest.step < partial_found.manifest.step):
+            log.warning(
+                "the survivor copy of step %d in %s is not restored: it needs the slots of rank(s) %s, which no node "
+                "holds at that step now (a node lost with its memory); removed",
+                partial_found.manifest.step,
+                fast.store.url,
+                ", ".join(map(str, partial_found.manifest.meta["in_slots"]["ranks"])),
+            )
+        fast.discard(partial_found.manifest.step)
+    if manifest is None:
         return None
     saved_world_size = int(manifest.meta.get("world_size", durable.ctx.world_size))
     return Restored(manifest.snapshot_id, manifest.step, saved_world_size, time.monotonic() - started)
@@ -225,6 +265,19 @@ def node_copy_objects(
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
+def slot_states(fast: FastTier, ctx: DistContext, in_slots: InSlots) -> dict[int, dict[str, Any]]:
+    """Every rank: the state of each rank a survivor copy left in its node's slots, read by that node's writer and
+    sent to every rank (``choose_partial`` chose the copy because every one of them is there)."""
+    found = states_in(os.path.join(fast.store.root, SLOT_DIR), in_slots) if fast.is_writer else {}
+    states: dict[int, dict[str, Any]] = {}
+    for node_states in all_gather(found, ctx):
+        for rank, state in node_states.items():
+            states.setdefault(rank, state)
+    missing = set(in_slots.ranks) - set(states)
+    assert not missing, f"survivor slots of rank(s) {sorted(missing)} vanished between choosing and reading them"
+    return states
+
+
 def load_snapshot(
     target: SnapshotTier,
     manifest: Manifest,
@@ -232,9 +285,11 @@ def load_snapshot(
     where: str,
     keep: tuple[str, ...] = (),
     shards_url: str | None = None,
+    states: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
-    after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store)."""
+    after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store).
+    ``states``: ranks' states the snapshot leaves in their nodes' slots (``slot_states``), by rank."""
     sharded = bool(manifest.meta.get("sharded"))
     if sharded != (target.sharded is not None):
         strategy = "fsdp" if sharded else "ddp"
@@ -248,6 +303,10 @@ def load_snapshot(
             raise SnapshotError(f"{where} has no {name!r} object; it was not written by elastictrain")
     weights = None if sharded else load_object(objects[MODEL_OBJECT], where, target.ctx.device)
     state = load_object(objects[STATE_OBJECT], where, target.ctx.device)
+    for rank, rank_state in (states or {}).items():  # the ranks whose state a survivor copy left in their slots
+        state["rng"][rank] = rank_state["rng"]
+        for name, saved_ranks in state["rank_states"].items():
+            saved_ranks[rank] = rank_state[name]
     if state.get("format_version") != FORMAT_VERSION:
         raise SnapshotError(
             f"{where} has format {state.get('format_version')}, this elastictrain reads format {FORMAT_VERSION}; "

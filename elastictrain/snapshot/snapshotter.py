@@ -226,6 +226,7 @@ class Snapshotter:
         meta: dict[str, Any],
         started: float,
         written: dict | None = None,
+        prune: bool = True,
     ) -> CommitOutcome:
         def write_state(fileobj: Any) -> None:
             failpoints.hit("snapshot-write", step)  # tests: kill rank 0 after model.pt, before state.pt
@@ -239,13 +240,14 @@ class Snapshotter:
         if self._lease is not None and self._lease.lost is not None:
             return CommitOutcome(error=f"snapshot at step {step} not written: {self._lease.lost}", stop=True)
         try:
-            manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION}, written)
+            # prune=False: no older snapshot is pruned, nor taken over by this one (the fast tier's recycling)
+            manifest = self.store.commit(step, writers, {**meta, "format_version": FORMAT_VERSION}, written, prune)
         except StorageError as exc:
             stop = not isinstance(exc, StorageUnavailable) and self.on_error == "stop"
             return CommitOutcome(error=self._fell_behind(step, exc, stop), stop=stop)
         self.last_committed = Committed(step, manifest.created_unix)
         try:
-            pruned = self.store.prune(self.keep_last)
+            pruned = self.store.prune(self.keep_last) if prune else []
         except StorageError as exc:  # old snapshots stay a little longer; the new one is safe
             log.warning("snapshot %s committed, but pruning older ones failed: %s", manifest.snapshot_id, exc)
             pruned = []

@@ -21,13 +21,21 @@ EuroSys '24, do the same from the healthy data-parallel replicas). Marked after 
 instead, a rank killed between its last gradient sent and its mark left the survivors a step
 ahead of its slot: 2 of 17 kills of ``benchmarks/goodput.py``'s job, each re-doing ~100 steps.
 
+A node sees only its own ranks' slots. In a job across nodes, each node's lowest survivor copies the
+step with its own node's ranks' state and names the others (``slots.InSlots``); their state stays
+in their own nodes' slots, which outlive the processes that wrote them (node memory). The restart
+restores that copy where every named rank's slot still holds the copy's step, history length and
+round (``slots.choose_partial``): each node's writer reads them and sends them to every rank.
+Where one is gone with its node (a lost node), the restore reads the newest complete copy instead.
+Such a copy prunes nothing when written and is removed once a restore has seen it.
+
 When no copy is written, and the restart reads the newest timed copy as before:
 
 - the failure came outside training (a snapshot, an evaluation);
 - any slot holds no record of the survivor's step, history length and rendezvous round (the dead
   rank died in the middle of a metric reduce), or is missing;
-- the ranks are not all on this node (each node sees only its own slots), or the model has
-  floating-point buffers (BatchNorm statistics change in the forward pass and differ per rank);
+- the model has floating-point buffers (BatchNorm statistics change in the forward pass and
+  differ per rank);
 - a lower local rank is still alive: it writes the copy (the lowest live one does; liveness is an
   ``flock`` each rank holds on its own file while it runs, released by the kernel when it dies).
 
@@ -37,11 +45,8 @@ reduce, and ``write`` when a peer is lost.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import pickle
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -50,92 +55,9 @@ import torch
 from elastictrain.core.progress import History, Progress
 from elastictrain.core.rng import capture_rng_compact, rng_from_compact
 from elastictrain.snapshot.local_tier import LocalTier
-from elastictrain.storage.hashing import checksum_bytes, mismatch
-from elastictrain.storage.manifest import CHECKSUM, ObjectEntry
+from elastictrain.snapshot.slots import SLOT_DIR, InSlots, StepSlots
 
 log = logging.getLogger("elastictrain")
-
-_DIGEST = len(checksum_bytes(b"").digest)  # the payload's checksum: storage/hashing.py's, as every snapshot object's
-_HEADER = struct.Struct(f"<QQ{_DIGEST}s")  # sequence number, payload length, its checksum (hex)
-_SLOT_DIR = ".survivor-slots"
-
-
-class StepSlots:
-    """Each rank's slot in node memory: two alternating files, so a write torn by a kill leaves the other one."""
-
-    def __init__(self, directory: str, rank: int, local_rank: int) -> None:
-        self.directory = directory
-        self.rank = rank
-        self.local_rank = local_rank
-        self._fds: list[int] = []
-        self._alive_fd: int | None = None
-        self._sequence = 0
-
-    def open(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        # Held until this process ends, for whatever reason: the kernel releases it on SIGKILL too.
-        self._alive_fd = os.open(self._alive_path(self.local_rank), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._alive_fd, fcntl.LOCK_EX)
-        self._fds = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for path in self._paths(self.rank)]
-
-    def close(self) -> None:
-        for fd in [*self._fds, *([self._alive_fd] if self._alive_fd is not None else [])]:
-            os.close(fd)
-        self._fds, self._alive_fd = [], None
-
-    def write(self, record: dict[str, Any]) -> None:
-        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-        self._sequence += 1
-        entry = checksum_bytes(payload)
-        header = _HEADER.pack(self._sequence, entry.size, entry.digest.encode())
-        os.pwrite(self._fds[self._sequence % 2], header + payload, 0)
-
-    def read(self, rank: int, want: tuple[int, int, str] | None = None) -> dict[str, Any] | None:
-        """The intact record of ``rank``'s slot naming ``want`` (step, metric records, round) if either of its two
-        does, else the newest intact one, or None."""
-        records = self.records(rank)
-        matching = [r for r in records if want is not None and (r["step"], r["records"], r["round"]) == want]
-        found = matching or records
-        return found[0] if found else None
-
-    def records(self, rank: int) -> list[dict[str, Any]]:
-        """The intact records of ``rank``'s slot, newest first (two, one after a torn write, none if never written)."""
-        found: list[tuple[int, dict[str, Any]]] = []
-        for path in self._paths(rank):
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            if len(data) < _HEADER.size:
-                continue
-            sequence, length, digest = _HEADER.unpack_from(data)
-            payload = data[_HEADER.size : _HEADER.size + length]
-            if mismatch(ObjectEntry(length, CHECKSUM, digest.decode("ascii", "replace")), checksum_bytes(payload)):
-                continue  # torn by a kill in the middle of its write
-            found.append((sequence, pickle.loads(payload)))
-        return [record for _, record in sorted(found, key=lambda item: item[0], reverse=True)]
-
-    def lowest_alive(self) -> bool:
-        """No lower local rank is still running (its lock is free: it died, or it never started)."""
-        for local_rank in range(self.local_rank):
-            try:
-                fd = os.open(self._alive_path(local_rank), os.O_RDWR)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            finally:
-                os.close(fd)  # closing releases the lock just taken
-        return True
-
-    def _paths(self, rank: int) -> list[str]:
-        return [os.path.join(self.directory, f"rank-{rank}.{part}") for part in "ab"]
-
-    def _alive_path(self, local_rank: int) -> str:
-        return os.path.join(self.directory, f"alive-local-rank-{local_rank}")
 
 
 class SurvivorCopies:
@@ -149,6 +71,7 @@ class SurvivorCopies:
         progress: Progress,
         history: History,
         rank_state: Callable[[], dict[str, Any] | None],
+        local_world_size: int | None = None,
     ) -> None:
         self.fast = fast
         self.progress = progress  # replicated: the step every slot must name
@@ -157,7 +80,10 @@ class SurvivorCopies:
         self.round_id = round_id
         self.rank_state = rank_state  # this rank's stream positions and metric sums (None: not readable at every step)
         ctx = fast.ctx
-        self.slots = StepSlots(os.path.join(fast.store.root, _SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
+        self.slots = StepSlots(os.path.join(fast.store.root, SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
+        # This node's ranks: torchrun numbers each node's ranks one after another, local rank 0 first.
+        first = ctx.rank - ctx.env.local_rank
+        self.node_ranks = range(first, first + (local_world_size or world_size))
 
     @staticmethod
     def applies(
@@ -172,15 +98,13 @@ class SurvivorCopies:
             return "dist.strategy=fsdp: the dead rank's shards are gone with it; the restart reads the newest copy"
         if local_world_size is None:
             return "the launcher does not say how many ranks share this node (torchrun's LOCAL_WORLD_SIZE)"
-        if local_world_size != world_size:
-            return "the ranks are not all on one node (each node sees only its own ranks' slots)"
         if any(buffer.is_floating_point() for buffer in model.buffers()):
             return "the model has floating-point buffers (BatchNorm statistics change in the forward pass)"
         return None
 
     def open(self) -> None:
         # After RESTORE: the fast tier's directory is then this run's own (LocalTier.join_run).
-        self.slots.directory = os.path.join(self.fast.store.root, _SLOT_DIR)
+        self.slots.directory = os.path.join(self.fast.store.root, SLOT_DIR)
         self.slots.open()
 
     def close(self) -> None:
@@ -220,10 +144,10 @@ class SurvivorCopies:
             return None
         if not self.slots.lowest_alive():
             return None  # a lower local rank survived: it writes
-        records = [
-            own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in range(self.world_size)
-        ]
-        others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in enumerate(records)}
+        records = {
+            rank: own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in self.node_ranks
+        }
+        others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in records.items()}
         differ = {rank: seen for rank, seen in others.items() if seen != live}
         if differ:
             log.info(
@@ -234,7 +158,7 @@ class SurvivorCopies:
                 ", ".join(str(seen[:2]) if seen else "nothing" for seen in differ.values()),
             )
             return None
-        if any(r is None or r["rank_state"] is None for r in records):
+        if any(r is None or r["rank_state"] is None for r in records.values()):
             log.info(
                 "no survivor copy of step %d: the metric sums on %s are not read at every step; the restart "
                 "reads the newest fast copy",
@@ -243,17 +167,30 @@ class SurvivorCopies:
             )
             return None
         complete()
-        rank_states = [{"rng": rng_from_compact(r["rng"]), **r["rank_state"]} for r in records if r is not None]
-        report = self.fast.save_survivor(step, rank_states, {**meta, "survivor": True})
+        found = {rank: record for rank, record in records.items() if record is not None}  # every one, checked above
+        # Ranks on other nodes: their state stays in their own nodes' slots, and a restore reads it there (slots.py).
+        elsewhere = InSlots(step, tuple(r for r in range(self.world_size) if r not in found), live)
+        blank = {"rng": None, **dict.fromkeys(own["rank_state"])}
+        rank_states = [
+            {"rng": rng_from_compact(found[r]["rng"]), **found[r]["rank_state"]} if r in found else blank
+            for r in range(self.world_size)
+        ]
+        meta = {**meta, "survivor": True, **({"in_slots": elsewhere.to_meta()} if elsewhere.ranks else {})}
+        # A copy that needs other nodes' slots prunes nothing: if they are gone with their node, the copies before it
+        # are what a restart reads.
+        report = self.fast.save_survivor(step, rank_states, meta, prune=not elsewhere.ranks)
         if report is None:
             log.info("no survivor copy needed: the fast tier already holds step %d", step)
             return step
         if not report.committed:
             return None  # _commit said why in a warning
         log.warning(
-            "survivor copy of step %d written to %s in %.3f s: the restart redoes only the step that was cut short",
+            "survivor copy of step %d written to %s in %.3f s: the restart redoes only the step that was cut short%s",
             step,
             self.fast.url,
             report.duration_s,
+            f" (the state of rank(s) {', '.join(map(str, elsewhere.ranks))} stays in their nodes' slots)"
+            if elsewhere.ranks
+            else "",
         )
         return step

@@ -116,10 +116,15 @@ class Catalog:
             )
             return Verified(manifest, payload)
 
-    def latest_valid(self, newer_than: int = -1) -> Verified | None:
-        """Newest snapshot above step ``newer_than`` that verifies; None if there are none, SnapshotError if none verifies."""
+    def latest_valid(self, newer_than: int = -1, below: int | None = None) -> Verified | None:
+        """Newest snapshot above step ``newer_than`` (and below ``below``) that verifies; None if there are none,
+        SnapshotError if none verifies."""
         with self.client.operation(f"cannot read snapshots under {self.client.url}"):
-            listings = [listing for listing in self.list_snapshots() if listing.step > newer_than]
+            listings = [
+                listing
+                for listing in self.list_snapshots()
+                if listing.step > newer_than and (below is None or listing.step < below)
+            ]
             if not listings:
                 return None
             for listing in reversed(listings):

@@ -115,10 +115,16 @@ class Committer:
         self.last_timings: CommitTimings | None = None
 
     def commit(
-        self, step: int, writers: dict[str, Writer], meta: dict, written: dict[str, ObjectEntry] | None = None
+        self,
+        step: int,
+        writers: dict[str, Writer],
+        meta: dict,
+        written: dict[str, ObjectEntry] | None = None,
+        recycle: bool = True,
     ) -> Manifest:
         """Write every writer's object for `step`, then the manifest that makes it exist, listing ``written`` too
-        (objects the ranks already wrote under the prefix: a sharded snapshot's, sharded.py)."""
+        (objects the ranks already wrote under the prefix: a sharded snapshot's, sharded.py). ``recycle``: False
+        leaves every older snapshot as it is (a fresh prefix, whatever ``recycle_keep_last`` says)."""
         for name in writers:
             if not name or "/" in name or name.startswith(".") or name == MANIFEST_NAME:
                 raise ValueError(f"snapshot object name {name!r} must be a plain file name")
@@ -136,7 +142,7 @@ class Committer:
             if not written and client.call("find", prefix):  # (``written``: the prefix was cleared before them)
                 client.call("rm", prefix, recursive=True)
             if client.is_local:
-                if not (self.recycle_keep_last and self._recycle_oldest(prefix, writers)):
+                if not (recycle and self.recycle_keep_last and self._recycle_oldest(prefix, writers)):
                     client.call("makedirs", prefix, exist_ok=True)
                 syncing = time.perf_counter()
                 _fsync_directory(client.root)

@@ -79,11 +79,17 @@ class SnapshotStore:
         self.client.check_writable()
 
     def commit(
-        self, step: int, writers: dict[str, Writer], meta: dict, written: dict[str, ObjectEntry] | None = None
+        self,
+        step: int,
+        writers: dict[str, Writer],
+        meta: dict,
+        written: dict[str, ObjectEntry] | None = None,
+        recycle: bool = True,
     ) -> Manifest:
         """Write every writer's object for `step`, then the manifest that makes it exist (listing ``written`` too:
-        objects other processes already wrote under the prefix, after ``clear_prefix``)."""
-        return self.committer.commit(step, writers, meta, written)
+        objects other processes already wrote under the prefix, after ``clear_prefix``). ``recycle``: False leaves
+        every older snapshot as it is."""
+        return self.committer.commit(step, writers, meta, written, recycle)
 
     def prefix_url(self, step: int) -> str:
         """The URL of `step`'s prefix, for writers of our own objects there (sharded.py)."""
@@ -107,9 +113,10 @@ class SnapshotStore:
         """Read a snapshot, checking each object's size and checksum; SnapshotError if one differs."""
         return self.catalog.read_verified(snapshot_id)
 
-    def latest_valid(self, newer_than: int = -1) -> Verified | None:
-        """Newest snapshot above step ``newer_than`` that verifies; None if there are none, SnapshotError if none verifies."""
-        return self.catalog.latest_valid(newer_than)
+    def latest_valid(self, newer_than: int = -1, below: int | None = None) -> Verified | None:
+        """Newest snapshot above step ``newer_than`` (and below ``below``) that verifies; None if there are none,
+        SnapshotError if none verifies."""
+        return self.catalog.latest_valid(newer_than, below)
 
     def prune(self, keep_last: int) -> list[str]:
         """After a commit, keep the newest `keep_last` intact snapshots and delete older ones (and torn ones below them)."""

@@ -66,7 +66,13 @@ class SnapshotTiers:
             why_not = survivors_refused or SurvivorCopies.applies(self.local, model, ctx.world_size, local_world)
             if why_not is None:
                 self.survivors = SurvivorCopies(
-                    self.local, ctx.world_size, ctx.round_id, state.progress, state.history, self.durable.rank_state_now
+                    self.local,
+                    ctx.world_size,
+                    ctx.round_id,
+                    state.progress,
+                    state.history,
+                    self.durable.rank_state_now,
+                    local_world,
                 )
             elif ctx.is_main:
                 log.info("no survivor copies (snapshot.local.survivor_copies): %s", why_not)
