@@ -417,3 +417,25 @@ def test_an_overdue_rank_names_a_stopped_peer_at_its_second_poll_and_a_running_o
         assert dog.check() is None
     clock.now = 4.0
     assert dog.check() == "no progress for 4.0 s in state TRAIN at step 37 and rank 1's heartbeat has not changed for 3.7 s"
+
+
+@pytest.mark.parametrize("loop_leaves", [True, False])
+def test_after_killing_a_stopped_peer_the_loop_thread_leaves_through_its_failure_path_or_the_watchdog_exits(
+        store, two_peer_processes, loop_leaves):
+    """The kill fails this rank's blocked collective at once; its failure path (a survivor copy of the step) stops the
+    watchdog and ends the process. The watchdog leaves as hung only if that has not happened within its grace."""
+    frozen_pid, _ = two_peer_processes
+    exits: list[int] = []
+    dog = Watchdog(WatchdogSettings(hang_timeout_s=600, heartbeat_every_s=1), on_hang=exits.append)
+    dog.leave_grace_s = 0.5
+    dog._info = info(rank=0, world_size=2, store=store)
+    store.set("watchdog/round-r1/rank-1", peer_beat(1, frozen_pid).to_json())
+    dog._silent_peers = [(peer_beat(1, frozen_pid), 3.0)]
+    if loop_leaves:
+        threading.Timer(0.1, dog._stop.set).start()  # the loop thread's failure path stopping the watchdog
+    dog._fire("no progress")
+    deadline = time.monotonic() + 5
+    while (proc_stat(frozen_pid) or ("gone",))[0] not in ("Z", "X", "gone") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (proc_stat(frozen_pid) or ("gone",))[0] in ("Z", "X", "gone"), "the stopped peer is SIGKILLed"
+    assert exits == ([] if loop_leaves else [HUNG_EXIT_CODE])

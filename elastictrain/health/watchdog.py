@@ -21,7 +21,9 @@ it reads the peers' heartbeats every period, and a peer whose heartbeat has not 
 periods (by this rank's clock: ``SilentPeers``) ends the wait at once; on this host, a peer whose
 heartbeat has not changed across two reads and whose process is stopped ends it at the second read
 (``hangs.frozen_peers``). A peer stopped on this host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
-left to its own agent, which the group's new rendezvous round makes restart its workers.
+left to its own agent, which the group's new rendezvous round makes restart its workers. After such a kill the
+rank's own blocked collective fails at once, and the loop thread leaves through its failure path (a survivor copy
+of the step); the watchdog exits the process itself only if that has not happened within ``leave_grace_s``.
 
 The allowance adapts so a slow model is no false alarm: in TRAIN it is the larger of
 ``hang_timeout_s`` and ``step_multiple`` times the longest time between progress marks seen in
@@ -79,6 +81,9 @@ class Watchdog(Observer):
     loop (an attribute write) so hangs are seen at step granularity. Without ``beat`` the log
     intervals (``trained``) are the progress marks, and the allowance adapts to their length.
     """
+
+    # After SIGKILLing a stopped peer: how long the loop thread has to leave through its own failure path.
+    leave_grace_s = 5.0
 
     def __init__(
         self,
@@ -255,11 +260,18 @@ class Watchdog(Observer):
         # silent peer: every live rank sees its silence by itself, and the launcher waits for it.
         if not self._silent_peers:
             self._stop.wait(2 * self.settings.heartbeat_every_s)
+        killed = False
         for beat in self._to_kill:  # last: its death turns this rank's own collective into an error
             try:
                 os.kill(beat.pid, signal.SIGKILL)
+                killed = True
             except OSError:
                 pass
+        # That error reaches the loop thread at once, whose failure path writes a survivor copy of the step (survivor.py)
+        # and ends the process: leaving now would lose the steps since the last timed copy. Only if it has not
+        # stopped this watchdog within the grace does this rank leave as a hung one.
+        if killed and self._stop.wait(self.leave_grace_s):
+            return
         self._on_hang(HUNG_EXIT_CODE)
 
     # -- heartbeats -------------------------------------------------------------------------

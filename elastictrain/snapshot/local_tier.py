@@ -106,7 +106,8 @@ class LocalTier(Snapshotter):
         try:
             found = self.store.latest_valid()
             if found is not None and found.manifest.meta.get("in_slots"):
-                partial, found = found, self.store.latest_valid(below=found.manifest.step)
+                partial = found  # kept even where no complete copy below it verifies
+                found = self.store.latest_valid(below=partial.manifest.step)
         except ElastictrainError as exc:  # nothing usable here; another node or the durable store may have one
             log.warning("node-local snapshots at %s are not usable: %s", self.store.url, exc)
             return None, partial
