@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -395,3 +396,16 @@ def test_a_nodes_slots_give_the_named_ranks_state_at_the_copys_key_and_nothing_e
     assert states[1]["train_sums"] == {"names": ["loss"], "values": [7.0], "samples": [3]}
     assert states_in(directory, InSlots(7, (1,), (7, 2, "round-a"))) == {}
     assert node_keys(str(node.other.directory) + "-missing") == {}
+
+
+def test_a_survivor_copy_is_offered_where_no_complete_copy_below_it_verifies(two_nodes):
+    node = two_nodes
+    every_rank = {"rng": capture_rng(CPU), **node.fast.rank_state_now()}
+    node.fast.save_survivor(5, [every_rank, every_rank], {"epoch": 0, "epoch_offset": 0, "world_size": 2})
+    state_file = Path(node.fast.store.root) / "step-000000000005" / "state.pt"
+    state_file.write_bytes(state_file.read_bytes()[:-8] + b"corrupt!")  # a flipped tail: the copy no longer verifies
+    node.at(7, records=1)
+    node.copies.mark(CPU)
+    assert node.write() == 7
+    complete, partial = node.fast.newest_local()
+    assert complete is None and partial.manifest.step == 7
