@@ -26,8 +26,10 @@ def test_every_fault_kind_in_one_job_ends_bitwise_equal_to_an_unbroken_run_and_l
     faults = chaos.schedule(SEED, duration_s=60, every_s=6, first_s=3, pause_s=(12.0, 12.0), away_s=(4.0, 6.0),
                             full_s=(4.0, 6.0))
     assert sorted({fault.kind for fault in faults}) == sorted(chaos.KINDS)
+    # Durable snapshots every 5 s: one starts within the 12 s pause and gives up (retry_for_s 5 s) before it ends, so
+    # the pause shows in the log (every 8 s, one started 7.5 s in outlasted the pause and committed: no line).
     job = chaos.ChaosJob(tmp_path / "chaos", s3_server, s3_bucket, steps=STEPS, nan_step=STEPS // 2,
-                         timeout_s=TIMEOUT_S)
+                         durable_every_s=5.0, timeout_s=TIMEOUT_S)
     (tmp_path / "unbroken").mkdir()
     unbroken = procs.launch(chaos.unbroken_command(tmp_path / "unbroken", STEPS), log_path=tmp_path / "unbroken.log",
                             env={**job_env(), **chaos.ENV}, cwd=tmp_path / "unbroken")

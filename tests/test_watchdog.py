@@ -118,6 +118,28 @@ def test_fast_steps_then_a_stall_fires_after_the_timeout_and_not_before():
     assert watchdog.check() == "no progress for 30.1 s in state TRAIN at step 100 (allowed 30.0 s)"
 
 
+def test_a_stall_counts_from_the_loops_last_beat_and_a_warm_up_does_not_delay_reading_the_peers():
+    watchdog, clock = watchdog_in_train()
+    clock.now = 1.0
+    watchdog.beat(1)  # a warm-up: the first step took a second
+    assert watchdog.check() is None
+    for step in range(2, 12):  # then 10 ms steps, the last at 1.1 s
+        clock.now += 0.01
+        watchdog.beat(step)
+    clock.now = 1.9  # the check that sees them comes 0.8 s after the last one
+    assert watchdog.check() is None
+    clock.now = 2.0
+    watchdog.check()
+    # stalled since the last beat (0.9 s), not since the check (0.1 s); overdue at twice the recent 10 ms, not at
+    # twice the warm-up's second
+    assert watchdog._longest_step_s == pytest.approx(1.0) and watchdog._recent_step_s == pytest.approx(0.01)
+    assert watchdog._overdue
+    clock.now = 30.0
+    assert watchdog.check() is None
+    clock.now = 31.2
+    assert watchdog.check() == "no progress for 30.1 s in state TRAIN at step 11 (allowed 30.0 s)"
+
+
 def test_the_first_step_has_its_own_allowance():
     watchdog, clock = watchdog_in_train()
     clock.now = 599.0

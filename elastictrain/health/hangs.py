@@ -160,9 +160,9 @@ def stall_poll_s(settings: WatchdogSettings) -> float:
     return min(settings.heartbeat_every_s, STALL_POLL_S)
 
 
-def overdue_after_s(settings: WatchdogSettings, longest_step_s: float) -> float:
-    """How long a step may stall before this rank reads its peers: twice the longest step, and one poll."""
-    return max(stall_poll_s(settings), 2 * longest_step_s)
+def overdue_after_s(settings: WatchdogSettings, step_s: float) -> float:
+    """How long a step may stall before this rank reads its peers: twice the recent step, and one poll."""
+    return max(stall_poll_s(settings), 2 * step_s)
 
 
 def frozen_peers(

@@ -20,7 +20,8 @@ does not wait out the allowance for a peer that is frozen or gone: once its own 
 it reads the peers' heartbeats every period, and a peer whose heartbeat has not changed for a few
 periods (by this rank's clock: ``SilentPeers``) ends the wait at once; on this host, a peer whose
 heartbeat has not changed across two reads and whose process is stopped ends it at the second read
-(``hangs.frozen_peers``). A peer stopped on this host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
+(``hangs.frozen_peers``). A stall counts from the time the loop read with its last beat, and "overdue" is twice the recent
+step (not the longest, such as a warm-up's). A peer stopped on this host is SIGKILLed, so the launcher sees a dead worker at once; a frozen peer on another host is
 left to its own agent, which the group's new rendezvous round makes restart its workers. After such a kill the
 rank's own blocked collective fails at once, and the loop thread leaves through its failure path (a survivor copy
 of the step); the watchdog exits the process itself only if that has not happened within ``leave_grace_s``.
@@ -109,6 +110,8 @@ class Watchdog(Observer):
         self._last_progress = clock()
         self._trained_once = False
         self._longest_step_s = 0.0
+        self._recent_step_s = 0.0  # the mean step of the last check that saw steps: when to read the peers
+        self._beat_at: float | None = None
         self._longest_state_s: dict[State, float] = {}
         self._start_ticks = 0
         self._to_kill: list[Heartbeat] = []
@@ -130,6 +133,7 @@ class Watchdog(Observer):
 
     def beat(self, step: int) -> None:
         """One optimizer step is done: call once per step (no lock, no system call)."""
+        self._beat_at = self._clock()  # first: a reader that sees the new step sees its time
         self._beat_step = step
 
     def transition(self, src: State, dst: State, step: int) -> None:
@@ -189,10 +193,15 @@ class Watchdog(Observer):
             else:
                 advanced = trained_now - trained_then
             since = max(self._last_progress, entered)
+            # When the last step ended: the loop's own clock reading with its beat (a stall counts from there, not
+            # from this check, up to a period later), else now.
+            at = self._beat_at if beat_now is not None and self._beat_at is not None else now
+            at = min(max(at, since), now)
             if state is State.TRAIN and advanced > 0:  # the first step too: a slow warm-up only lengthens the allowance
-                self._longest_step_s = max(self._longest_step_s, (now - since) / advanced)
+                self._recent_step_s = (at - since) / advanced
+                self._longest_step_s = max(self._longest_step_s, self._recent_step_s)
                 self._trained_once = True
-            self._seen_marks, self._last_progress = marks, now
+            self._seen_marks, self._last_progress = marks, at
         allowed = allowance_s(
             self.settings,
             state,
@@ -205,10 +214,11 @@ class Watchdog(Observer):
         stalled_s = now - max(self._last_progress, entered)
         if stalled_s > allowed:
             return f"no progress for {stalled_s:.1f} s in state {state.name} at step {self._current_step()} (allowed {allowed:.1f} s)"
-        # Overdue (a poll, and twice the longest step): a silent peer will not come back. The peers are read from
+        # Overdue (a poll, and twice the recent step): a silent peer will not come back. The peers are read from
         # then on every poll; a peer's staleness still counts only from a heartbeat period into the stall, as a
         # slow peer's heartbeat thread may lag under load, while a stopped peer on this host is named at once.
-        overdue = overdue_after_s(self.settings, self._longest_step_s)
+        # (Reading them is all being overdue does: the recent step, not the longest, such as a warm-up's.)
+        overdue = overdue_after_s(self.settings, self._recent_step_s)
         self._overdue = stalled_s >= overdue
         if self._overdue:
             silent = frozen_peers(
