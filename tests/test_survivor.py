@@ -349,7 +349,8 @@ def test_a_survivor_across_nodes_copies_its_own_nodes_ranks_names_the_others_and
     assert node.write() == 7  # on one node this copy would need rank 1's slot here; across nodes it names it
     assert node.steps() == [4, 5, 7], "a copy that needs another node's slots prunes (or recycles) nothing"
     complete, partial = node.fast.newest_local()
-    assert partial.manifest.step == 7 and complete.manifest.step == 5
+    assert complete is None and partial.manifest.step == 7  # the copy below is read only if restoring passes it over
+    assert node.fast.newest_below(7).manifest.step == 5
     assert partial.manifest.meta["in_slots"] == {"ranks": [1], "key": [7, 1, "round-a"]}
     state = load_object(partial.objects["state.pt"], "copy")
     assert state["rng"][1] is None and state["rank_states"]["train_sums"][1] is None
@@ -409,3 +410,4 @@ def test_a_survivor_copy_is_offered_where_no_complete_copy_below_it_verifies(two
     assert node.write() == 7
     complete, partial = node.fast.newest_local()
     assert complete is None and partial.manifest.step == 7
+    assert node.fast.newest_below(7) is None

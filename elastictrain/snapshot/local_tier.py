@@ -95,23 +95,23 @@ class LocalTier(Snapshotter):
         return None
 
     def newest_local(self) -> tuple[Verified | None, Verified | None]:
-        """This node's newest fast copy that verifies and holds every rank's state, and a newer one that verifies but
-        leaves ranks' state in their nodes' slots (a survivor copy of a job across nodes: ``slots.py``), each or None.
-        Read on each node's writer, and on every rank when the job runs on one node (``restore.py``: then nothing is
-        sent)."""
+        """This node's newest fast copy that verifies: (it, None), or (None, it) where it leaves ranks' state in their
+        nodes' slots (a survivor copy of a job across nodes: ``slots.py``; ``newest_below`` reads the copy below
+        it if restoring passes it over). Read on each node's writer, and on every rank when the job runs on one node
+        (``restore.py``: then nothing is sent)."""
         if not self.is_writer:
             # tests: the copy changes after the node's writer read it (no step yet: the attempt's restart count instead)
             failpoints.hit("node-copy-read", self.ctx.env.restart_count)
-        partial = None
+        found = self.newest_below(None)
+        return (None, found) if found is not None and found.manifest.meta.get("in_slots") else (found, None)
+
+    def newest_below(self, step: int | None) -> Verified | None:
+        """This node's newest fast copy below ``step`` (None: any) that verifies, or None."""
         try:
-            found = self.store.latest_valid()
-            if found is not None and found.manifest.meta.get("in_slots"):
-                partial = found  # kept even where no complete copy below it verifies
-                found = self.store.latest_valid(below=partial.manifest.step)
+            return self.store.latest_valid(below=step)
         except ElastictrainError as exc:  # nothing usable here; another node or the durable store may have one
             log.warning("node-local snapshots at %s are not usable: %s", self.store.url, exc)
-            return None, partial
-        return found, partial
+            return None
 
     def discard(self, step: int) -> None:
         """Remove this node's copy of ``step`` (a survivor copy that needs other nodes' slots, once restoring saw it)."""

@@ -68,6 +68,8 @@ class FastTier(SnapshotTier, Protocol):
 
     def newest_local(self) -> tuple[Verified | None, Verified | None]: ...
 
+    def newest_below(self, step: int | None) -> Verified | None: ...
+
     def discard(self, step: int) -> None: ...
 
     def clear(self) -> None: ...
@@ -94,7 +96,8 @@ def restore_newest(
     resume = durable.cfg.snapshot.resume or rollback
     local_steps: tuple[int, ...] = (-1,)
     local_found: Verified | None = None
-    partial_found: Verified | None = None  # a survivor copy newer than local_found that needs other nodes' slots
+    partial_found: Verified | None = None  # this node's newest copy, a survivor copy that needs other nodes' slots
+    partial: InSlots | None = None
     partial_holder: int | None = None
     shard_offers: dict[fast_restore.CopyKey, fast_restore.NodeOffer] = {}  # this rank's
     every_offer: list[dict[fast_restore.CopyKey, fast_restore.NodeOffer]] = []  # every rank's
@@ -124,6 +127,14 @@ def restore_newest(
             assert chosen is not None  # choose_partial chooses a rank that offered one
             local_steps = tuple(chosen.step if rank == partial_holder else s for rank, s in enumerate(local_steps))
             local_found = partial_found if partial_found is not None and partial == chosen else None
+        elif any(p is not None for p in partials):
+            # Every survivor copy passed over: the ranks that read one read the newest complete copy below it now (not
+            # before: the state twice in memory) and the ranks learn the new steps.
+            if partial_found is not None:
+                partial_found = None
+                assert partial is not None  # read with partial_found
+                local_found = fast.newest_below(partial.step)
+            local_steps = tuple(all_gather(local_found.manifest.step if local_found else -1, durable.ctx))
     newest_local = shard_copy[0] if shard_copy else max(local_steps)
     read: dict[
         str, Any
@@ -203,18 +214,18 @@ def restore_newest(
             )
     else:
         manifest = None
-    if partial_found is not None and fast is not None and fast.is_writer:
+    if partial is not None and fast is not None and fast.is_writer:
         # Read at most once: from here on this attempt's ranks write their slots afresh, and no restore could
         # complete it again (left, it would outrank the copies the job writes next).
-        if partial_holder is None and (manifest is None or manifest.step < partial_found.manifest.step):
+        if partial_holder is None and (manifest is None or manifest.step < partial.step):
             log.warning(
                 "the survivor copy of step %d in %s is not restored: it needs the slots of rank(s) %s, which no node "
                 "holds at that step now (a node lost with its memory); removed",
-                partial_found.manifest.step,
+                partial.step,
                 fast.store.url,
-                ", ".join(map(str, partial_found.manifest.meta["in_slots"]["ranks"])),
+                ", ".join(map(str, partial.ranks)),
             )
-        fast.discard(partial_found.manifest.step)
+        fast.discard(partial.step)
     if manifest is None:
         return None
     saved_world_size = int(manifest.meta.get("world_size", durable.ctx.world_size))
