@@ -143,6 +143,9 @@ class NodeGroup:
         """Every agent's log, in index order, each under a header line."""
         return "\n".join(f"=== agent {index} ===\n{agent.output()}" for index, agent in sorted(self.agents.items()))
 
-    def leftover_pids(self) -> list[int]:
-        """Pids of any agent or worker still alive."""
-        return sorted(pid for agent in self.agents.values() for pid in agent.leftover_pids())
+    def leftover_pids(self, grace_s: float = 10.0) -> list[int]:
+        """Pids of any agent or worker still alive ``grace_s`` after the call at most: a warm-start server exits on
+        its own a moment after its agent (it waits on the agent), later under load."""
+        return procs.still_running(
+            lambda: sorted(pid for agent in self.agents.values() for pid in agent.leftover_pids()), grace_s
+        )
