@@ -64,7 +64,7 @@ def test_the_lowest_live_local_rank_writes_and_a_killed_one_gives_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from elastictrain.snapshot.slots import SLOT_DIR, InSlots, StepSlots, choose_partial, node_keys, states_in
+        from elastictrain.snapshot.slots import StepSlots
         slots = StepSlots({str(tmp_path)!r}, rank=0, local_rank=0)
         slots.open()
         print("open", flush=True)

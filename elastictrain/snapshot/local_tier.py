@@ -116,9 +116,9 @@ class LocalTier(Snapshotter):
     def discard(self, step: int) -> None:
         """Remove this node's copy of ``step`` (a survivor copy that needs other nodes' slots, once restoring saw it)."""
         try:
-            self.store.fs.rm(self.store.prefix_url(step), recursive=True)
-        except (OSError, ValueError) as exc:
-            log.warning("could not remove the node-local copy of step %d at %s: %s", step, self.store.url, exc)
+            self.store.clear_prefix(step)
+        except StorageError as exc:
+            log.warning("could not remove the node-local copy of step %d: %s", step, exc)
 
     def clear(self) -> None:
         """Remove this node's fast copies (at DONE, PREEMPTED, or when a run starts fresh)."""

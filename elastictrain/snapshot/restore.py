@@ -10,7 +10,6 @@ offer the shard files they hold, and a copy they hold together is restored (``fa
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +29,7 @@ from elastictrain.snapshot.resume_checks import (
     start_fresh_advice,
     warn_on_changed_hyperparameters,
 )
-from elastictrain.snapshot.slots import SLOT_DIR, InSlots, choose_partial, node_keys, states_in
+from elastictrain.snapshot.slots import InSlots, choose_partial, gather_states, node_keys, slot_dir
 from elastictrain.storage.manifest import Manifest, Verified
 
 if TYPE_CHECKING:
@@ -115,7 +114,7 @@ def restore_newest(
             local_found, partial_found = fast.newest_local()
         local_step = local_found.manifest.step if local_found else -1
         partial = InSlots.from_meta(partial_found.manifest.step, partial_found.manifest.meta) if partial_found else None
-        keys = node_keys(os.path.join(fast.store.root, SLOT_DIR)) if fast.is_writer and fast.sharded is None else {}
+        keys = node_keys(slot_dir(fast.store.root)) if fast.is_writer and fast.sharded is None else {}
         local_steps, offers, partials, every_keys = zip(
             *all_gather((local_step, shard_offers, partial, keys), durable.ctx)
         )
@@ -193,7 +192,7 @@ def restore_newest(
         manifest = broadcast_from_main(local_found.manifest if local_found else None, durable.ctx, src=holder)
         objects, how = node_copy_objects(fast, durable.ctx, manifest, local_found, holder, list(nodes))
         in_slots = InSlots.from_meta(manifest.step, manifest.meta)
-        states = slot_states(fast, durable.ctx, in_slots) if in_slots is not None else None
+        states = gather_states(fast.store.root, fast.is_writer, durable.ctx, in_slots) if in_slots else None
         load_snapshot(
             durable, manifest, objects, f"snapshot {fast.store.url}/{manifest.snapshot_id}", keep, states=states
         )
@@ -276,19 +275,6 @@ def node_copy_objects(
     return received, ", sent to the other ranks" if holder == ctx.rank else ", sent to this rank"
 
 
-def slot_states(fast: FastTier, ctx: DistContext, in_slots: InSlots) -> dict[int, dict[str, Any]]:
-    """Every rank: the state of each rank a survivor copy left in its node's slots, read by that node's writer and
-    sent to every rank (``choose_partial`` chose the copy because every one of them is there)."""
-    found = states_in(os.path.join(fast.store.root, SLOT_DIR), in_slots) if fast.is_writer else {}
-    states: dict[int, dict[str, Any]] = {}
-    for node_states in all_gather(found, ctx):
-        for rank, state in node_states.items():
-            states.setdefault(rank, state)
-    missing = set(in_slots.ranks) - set(states)
-    assert not missing, f"survivor slots of rank(s) {sorted(missing)} vanished between choosing and reading them"
-    return states
-
-
 def load_snapshot(
     target: SnapshotTier,
     manifest: Manifest,
@@ -300,7 +286,7 @@ def load_snapshot(
 ) -> None:
     """Load a snapshot's bytes into ``target``'s model, Statefuls (but those in ``keep``) and this rank's RNG,
     after the resume checks. ``shards_url``: where a sharded one's shards are (default: ``target``'s store).
-    ``states``: ranks' states the snapshot leaves in their nodes' slots (``slot_states``), by rank."""
+    ``states``: ranks' states the snapshot leaves in their nodes' slots (``slots.gather_states``), by rank."""
     sharded = bool(manifest.meta.get("sharded"))
     if sharded != (target.sharded is not None):
         strategy = "fsdp" if sharded else "ddp"

@@ -14,18 +14,37 @@ import pickle
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.core.rng import rng_from_compact
+from elastictrain.dist.collectives import all_gather
 from elastictrain.storage.hashing import checksum_bytes, mismatch
 from elastictrain.storage.manifest import CHECKSUM, ObjectEntry
 
 _DIGEST = len(checksum_bytes(b"").digest)  # the payload's checksum: storage/hashing.py's, as every snapshot object's
 _HEADER = struct.Struct(f"<QQ{_DIGEST}s")  # sequence number, payload length, its checksum (hex)
 SLOT_DIR = ".survivor-slots"  # under the fast tier's directory of the run
+if TYPE_CHECKING:
+    from elastictrain.dist.group import DistContext
+
 _SLOT_FILE = re.compile(r"rank-(\d+)\.[ab]$")
 
 SlotKey = tuple[int, int, str]  # (step, metric records, rendezvous round): what a slot's record goes with
+
+
+def slot_dir(root: str) -> str:
+    """The slots' directory under the fast tier's directory of the run (``root``)."""
+    return os.path.join(root, SLOT_DIR)
+
+
+def key_of(record: dict[str, Any]) -> SlotKey:
+    """The (step, metric records, round) a slot's record goes with."""
+    return record["step"], record["records"], record["round"]
+
+
+def rank_state_of(record: dict[str, Any]) -> dict[str, Any]:
+    """A slot's record as a snapshot holds a rank's state: ``{"rng": ..., <rank stateful>: ...}``."""
+    return {"rng": rng_from_compact(record["rng"]), **record["rank_state"]}
 
 
 class StepSlots:
@@ -62,7 +81,7 @@ class StepSlots:
         """The intact record of ``rank``'s slot naming ``want`` (step, metric records, round) if either of its two
         does, else the newest intact one, or None."""
         records = self.records(rank)
-        matching = [r for r in records if want is not None and (r["step"], r["records"], r["round"]) == want]
+        matching = [r for r in records if want is not None and key_of(r) == want]
         found = matching or records
         return found[0] if found else None
 
@@ -134,7 +153,7 @@ def node_keys(directory: str) -> dict[int, list[SlotKey]]:
         ranks = sorted({int(m.group(1)) for name in os.listdir(directory) if (m := _SLOT_FILE.match(name))})
     except OSError:
         return {}
-    return {rank: [(r["step"], r["records"], r["round"]) for r in slots.records(rank)] for rank in ranks}
+    return {rank: [key_of(r) for r in slots.records(rank)] for rank in ranks}
 
 
 def choose_partial(partials: list[InSlots | None], keys: list[dict[int, list[SlotKey]]], newer_than: int) -> int | None:
@@ -156,12 +175,24 @@ def choose_partial(partials: list[InSlots | None], keys: list[dict[int, list[Slo
 
 
 def states_in(directory: str, partial: InSlots) -> dict[int, dict[str, Any]]:
-    """The state of each rank ``partial`` names that a node's slots hold at its key, as a snapshot holds a rank's
-    (``{"rng": ..., <rank stateful>: ...}``)."""
+    """The state of each rank ``partial`` names that a node's slots hold at its key (``rank_state_of``)."""
     slots = StepSlots(directory, rank=-1, local_rank=-1)
     found = {}
     for rank in partial.ranks:
         record = slots.read(rank, want=partial.key)
-        if record is not None and (record["step"], record["records"], record["round"]) == partial.key:
-            found[rank] = {"rng": rng_from_compact(record["rng"]), **record["rank_state"]}
+        if record is not None and key_of(record) == partial.key:
+            found[rank] = rank_state_of(record)
     return found
+
+
+def gather_states(root: str, is_writer: bool, ctx: DistContext, partial: InSlots) -> dict[int, dict[str, Any]]:
+    """Every rank: the state of each rank ``partial`` names, read from its node's slots by that node's writer
+    (``root``: the fast tier's directory of the run) and sent to every rank; ``choose_partial`` chose the copy
+    because every one of them is there."""
+    states: dict[int, dict[str, Any]] = {}
+    for node_states in all_gather(states_in(slot_dir(root), partial) if is_writer else {}, ctx):
+        for rank, state in node_states.items():
+            states.setdefault(rank, state)
+    missing = set(partial.ranks) - set(states)
+    assert not missing, f"survivor slots of rank(s) {sorted(missing)} vanished between choosing and reading them"
+    return states

@@ -46,16 +46,15 @@ reduce, and ``write`` when a peer is lost.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from elastictrain.core.progress import History, Progress
-from elastictrain.core.rng import capture_rng_compact, rng_from_compact
+from elastictrain.core.rng import capture_rng_compact
 from elastictrain.snapshot.local_tier import LocalTier
-from elastictrain.snapshot.slots import SLOT_DIR, InSlots, StepSlots
+from elastictrain.snapshot.slots import InSlots, StepSlots, key_of, rank_state_of, slot_dir
 
 log = logging.getLogger("elastictrain")
 
@@ -80,7 +79,7 @@ class SurvivorCopies:
         self.round_id = round_id
         self.rank_state = rank_state  # this rank's stream positions and metric sums (None: not readable at every step)
         ctx = fast.ctx
-        self.slots = StepSlots(os.path.join(fast.store.root, SLOT_DIR), ctx.rank, ctx.env.local_rank)  # see open
+        self.slots = StepSlots(slot_dir(fast.store.root), ctx.rank, ctx.env.local_rank)  # see open
         # This node's ranks: torchrun numbers each node's ranks one after another, local rank 0 first.
         first = ctx.rank - ctx.env.local_rank
         self.node_ranks = range(first, first + (local_world_size or world_size))
@@ -104,7 +103,7 @@ class SurvivorCopies:
 
     def open(self) -> None:
         # After RESTORE: the fast tier's directory is then this run's own (LocalTier.join_run).
-        self.slots.directory = os.path.join(self.fast.store.root, SLOT_DIR)
+        self.slots.directory = slot_dir(self.fast.store.root)
         self.slots.open()
 
     def close(self) -> None:
@@ -134,7 +133,7 @@ class SurvivorCopies:
         """
         step, live = self.progress.global_step, (self.progress.global_step, len(self.history.records), self.round_id)
         own = self.slots.read(self.slots.rank, want=live)
-        if own is None or (own["step"], own["records"], own["round"]) != live:
+        if own is None or key_of(own) != live:
             log.info(
                 "no survivor copy: this rank is at step %d with %d metric records, its slot at %s",
                 step,
@@ -147,7 +146,7 @@ class SurvivorCopies:
         records = {
             rank: own if rank == self.slots.rank else self.slots.read(rank, want=live) for rank in self.node_ranks
         }
-        others = {rank: (r["step"], r["records"], r["round"]) if r else None for rank, r in records.items()}
+        others = {rank: key_of(r) if r else None for rank, r in records.items()}
         differ = {rank: seen for rank, seen in others.items() if seen != live}
         if differ:
             log.info(
@@ -171,10 +170,7 @@ class SurvivorCopies:
         # Ranks on other nodes: their state stays in their own nodes' slots, and a restore reads it there (slots.py).
         elsewhere = InSlots(step, tuple(r for r in range(self.world_size) if r not in found), live)
         blank = {"rng": None, **dict.fromkeys(own["rank_state"])}
-        rank_states = [
-            {"rng": rng_from_compact(found[r]["rng"]), **found[r]["rank_state"]} if r in found else blank
-            for r in range(self.world_size)
-        ]
+        rank_states = [rank_state_of(found[r]) if r in found else blank for r in range(self.world_size)]
         meta = {**meta, "survivor": True, **({"in_slots": elsewhere.to_meta()} if elsewhere.ranks else {})}
         # A copy that needs other nodes' slots prunes nothing: if they are gone with their node, the copies before it
         # are what a restart reads.
