@@ -1,13 +1,22 @@
-"""``elastictrain-c10d``'s timing from ``--rdzv-conf``: torch's keys, fractions of a second allowed."""
+"""``elastictrain-c10d``'s timing from ``--rdzv-conf``: torch's keys, fractions of a second allowed; the round's
+state read every ``poll_interval`` instead of torch's once a second."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 
 from elastictrain.core.errors import ConfigError
-from elastictrain.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, Timing, timing_of
+from elastictrain.launcher.rendezvous import (
+    KEEP_ALIVE_INTERVAL_S,
+    KEEP_ALIVE_MAX_ATTEMPT,
+    POLL_INTERVAL_S,
+    PollingOpExecutor,
+    Timing,
+    timing_of,
+)
 
 NONE = {"join": None, "last_call": None, "close": None, "heartbeat": None}
 
@@ -22,6 +31,7 @@ NONE = {"join": None, "last_call": None, "close": None, "heartbeat": None}
      Timing({**NONE, "last_call": 0.5, "join": 60.5}, 0.5, 3)),
     ({"close_timeout": 1.5, "heartbeat_timeout": 0.25, "is_host": "1"},  # numbers too; other keys are not its own
      Timing({**NONE, "close": 1.5, "heartbeat": 0.25}, KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT)),
+    ({"poll_interval": "0.05"}, Timing(NONE, KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, 0.05)),
 ])
 def test_timing_of_reads_seconds_with_fractions(config, expected):
     assert timing_of(config) == expected
@@ -34,6 +44,7 @@ def test_timing_of_reads_seconds_with_fractions(config, expected):
     ({"close_timeout": "inf"}, "--rdzv-conf close_timeout=inf: give a positive number of seconds"),
     ({"keep_alive_max_attempt": "2.5"}, "--rdzv-conf keep_alive_max_attempt=2.5: give a whole number of heartbeats"),
     ({"keep_alive_max_attempt": "0"}, "--rdzv-conf keep_alive_max_attempt=0: give a whole number of heartbeats"),
+    ({"poll_interval": "0"}, "--rdzv-conf poll_interval=0: give a positive number of seconds"),
 ])
 def test_a_value_that_is_not_a_duration_is_refused_in_one_line(config, said):
     with pytest.raises(ConfigError) as raised:
@@ -56,7 +67,51 @@ def test_the_handler_torchrun_builds_keeps_the_fractions(tmp_path):
     assert settings.keep_alive_interval == timedelta(seconds=0.5) and settings.keep_alive_max_attempt == 3
     assert settings.timeout.last_call == timedelta(seconds=0.75)
     assert handler.get_backend() == "elastictrain-c10d"
+    # the round's state read every poll_interval (its default here), by the executor and through the holder's cache
+    assert isinstance(handler._inner._op_executor, PollingOpExecutor)
+    assert handler._inner._op_executor._poll_s == POLL_INTERVAL_S == handler._inner._state_holder._cache_duration
     handler.shutdown()
+
+
+class RoundsHolder:
+    """A rendezvous state holder whose every read finds the next round (round = the number of reads so far)."""
+
+    def __init__(self):
+        self.reads = 0
+        self.state = SimpleNamespace(round=0)
+
+    def sync(self):
+        self.reads += 1
+        self.state = SimpleNamespace(round=self.reads)
+        return None
+
+    def mark_dirty(self):
+        pass
+
+
+def test_an_operation_waiting_for_other_agents_reads_the_round_every_poll_interval(monkeypatch):
+    # An operation that waits (torch's SYNC) until the third read: torch's loop sleeps a whole second before each
+    # read (its _delay, made to fail here); this one sleeps the poll interval, and the operation goes on from the
+    # state each read found.
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_rdzv
+
+    def no_whole_second(seconds):
+        raise AssertionError(f"torch's {seconds} s wait was taken")
+
+    monkeypatch.setattr(torch_rdzv, "_delay", no_whole_second)
+    settings = torch_rdzv.RendezvousSettings("poll-test", 1, 2, torch_rdzv.RendezvousTimeout(),
+                                             timedelta(seconds=5), 3)
+    slept, seen = [], []
+    holder = RoundsHolder()
+    executor = PollingOpExecutor(torch_rdzv._NodeDesc("a", 1, 0), holder, settings, 0.05, sleep=slept.append)
+
+    def join(ctx, deadline):
+        seen.append(ctx.state.round)
+        return torch_rdzv._Action.FINISH if ctx.state.round >= 3 else torch_rdzv._Action.SYNC
+
+    executor.run(join, deadline=0.0)
+    assert seen == [1, 2, 3]  # torch's loop reads first; each wait then reads again
+    assert slept == [0.05, 0.05]
 
 
 def test_a_bad_value_ends_torchruns_handler_creation_with_its_line_and_exit_2(capsys):
