@@ -2,7 +2,7 @@
 
 What it runs. ``tests/helpers/chaos.py`` (the suite's ``tests/test_chaos.py`` runs the same for two minutes):
 two torchrun agents as two "nodes" on this machine (c10d, ``--nnodes=1:2``, one worker each) under
-``-m elastictrain.launcher.warmstart``, the durable tier on a SeaweedFS S3 server this script starts (every
+``-m elastictrain.launcher.warmstart --preload s3fs``, the durable tier on a SeaweedFS S3 server this script starts (every
 ``--durable-every-s``, written in the background), the fast tier on a tmpfs of its own per node (every
 ``--local-every-s``), ``train.virtual_shards=2``; the traced test task, each step sleeping 30 ms. A seeded
 schedule throws about one fault every ``--every-s`` seconds of training at it, the kinds drawn from a shuffled bag

@@ -2,7 +2,7 @@
 
 Shared by ``benchmarks/chaos.py`` (N minutes) and ``tests/test_chaos.py`` (two). The job: two torchrun agents as
 two "nodes" on this machine (``tests/helpers/agents.py``, c10d, ``--nnodes=1:2``, one worker each), warm
-restarts (``-m elastictrain.launcher.warmstart``), the durable tier on SeaweedFS S3, the fast tier on a small tmpfs per
+restarts (``-m elastictrain.launcher.warmstart --preload s3fs``), the durable tier on SeaweedFS S3, the fast tier on a small tmpfs per
 node, ``train.virtual_shards=2`` so that a world of one or two trains the same bits, the traced test task
 (``tests/helpers/tasks.py``: each step sleeps a little, so the job lasts minutes and its processes are findable
 by the trace files they write).
@@ -163,7 +163,7 @@ class ChaosJob:
         if self.nan_step is not None:
             env |= {"ELASTICTRAIN_FAULT": f"grad-inf@{self.nan_step}:{self.workdir}", "ELASTICTRAIN_FAULT_RANK": "0"}
         self.shm_before = set(os.listdir("/dev/shm"))
-        self.nodes = NodeGroup(self.workdir, ["-m", "elastictrain.launcher.warmstart", "-m", "elastictrain", "train",
+        self.nodes = NodeGroup(self.workdir, ["-m", "elastictrain.launcher.warmstart", "--preload", "s3fs", "-m", "elastictrain", "train",
                                               *self.overrides()],
                                nnodes="1:2", rdzv_conf=RDZV_CONF, env=env, max_restarts=1000)
         self.launch_unix = time.time()
