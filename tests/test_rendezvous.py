@@ -126,3 +126,39 @@ def test_a_bad_value_ends_torchruns_handler_creation_with_its_line_and_exit_2(ca
     assert exited.value.code == 2
     assert capsys.readouterr().err == ("elastictrain: error: --rdzv-conf keep_alive_interval=fast: give a positive "
                                        "number of seconds, e.g. keep_alive_interval=0.5\n")
+
+
+def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_path):
+    # Two agents' handlers, as torchrun builds them, form a round of two on a real c10d store; one leaves (what its
+    # exit does after a SIGTERM): the round holds the other alone, so its next round need not wait for the leaver's
+    # heartbeat to go stale. After torchrun's shutdown (the job's end) leaving changes nothing: the rendezvous stays
+    # closed.
+    import threading
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastictrain.launcher.rendezvous import c10d, leave_round
+    from tests.helpers.agents import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "last_call_timeout": "30"}
+    host = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 1, 2, is_host="1", **conf))
+    other = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 1, 2, is_host="0", **conf))
+    joined = threading.Thread(target=other.next_rendezvous)
+    joined.start()
+    host.next_rendezvous()  # a round of two completes at once (max_nodes), the 30 s last call never waited
+    joined.join(30)
+
+    def participants():
+        holder = host._inner._state_holder
+        holder._cache_duration = 0  # read the store itself
+        holder.sync()
+        return set(holder.state.participants)
+
+    both = participants()
+    assert len(both) == 2
+    assert leave_round(other._inner)
+    assert participants() == both - {other._inner._this_node}
+    host.shutdown()
+    assert leave_round(host._inner) and host.is_closed()
+    other.shutdown()
