@@ -70,6 +70,7 @@ ROUND = re.compile(r"INFO process group gloo up: rank 0 of 2, restart (\d+), rou
 class ElasticRun:
     result: JobResult  # from the output of the agents at the end, with rank 0's run summary
     workdir: Path
+    joined_output: str = ""  # the relaunched node's agent's
 
 
 def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictrain-c10d",
@@ -111,7 +112,7 @@ def run_shrink_and_grow(workdir: Path, lost: int = 1, backend: str = "elastictra
     output = nodes.output()
     assert codes == {0: 0, 1: 0}, output[-6000:]
     assert nodes.leftover_pids() == []
-    return ElasticRun(parse_job(output), workdir)
+    return ElasticRun(parse_job(output), workdir, nodes.agents[lost].output())
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,11 @@ def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(elastic_run):
     # attempt: restart counts 1 and 0 in one world, on a round of its own.
     rounds = ROUND.findall(output)
     assert [restart for restart, _ in rounds] == ["0", "1"] and rounds[0][1] != rounds[1][1]
+    # The node joining the running job warmed its interpreter before it joined: its first worker started warm,
+    # so the survivor did not wait in the new group for an interpreter and torch's import.
+    joined = elastic_run.joined_output
+    assert "forked a preloaded interpreter before this node joined the job" in joined, joined[-3000:]
+    assert "started warm, forked from the preloaded interpreter" in joined and "runs cold" not in joined
     summary = elastic_run.result.summary
     assert (summary["state"], summary["world_size"], summary["step"]) == ("DONE", "2", str(STEPS))
 

@@ -68,6 +68,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # torch's
 )
 
 from elastictrain.core.errors import ConfigError
+from elastictrain.launcher.join_warmup import warm_before_joining
 
 log = logging.getLogger("elastictrain")
 
@@ -185,13 +186,21 @@ def poll_every(handler: RendezvousHandler, poll_s: float) -> bool:
 
 
 class RoundPublishingHandler(RendezvousHandler):
-    """Delegates to torch's handler; publishes (rank 0) or reads (others) the workers' store address every round."""
+    """Delegates to torch's handler; publishes (rank 0) or reads (others) the workers' store address every round.
+    Before its first round, a node joining a running job warms its workers' interpreter (join_warmup.py)."""
 
     def __init__(self, inner: RendezvousHandler, backend: str) -> None:
         self._inner = inner
         self._backend = backend
+        self._joined = False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if not self._joined:
+            self._joined = True
+            holder = getattr(self._inner, "_state_holder", None)
+            if isinstance(holder, _BackendRendezvousStateHolder):
+                holder.sync()
+                warm_before_joining(holder.state, sys.argv[1:])
         info = self._inner.next_rendezvous()
         if not self._inner.use_agent_store or info.bootstrap_store_info is None:
             return info  # the workers build a store of their own, announced afresh every round

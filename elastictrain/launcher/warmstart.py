@@ -28,6 +28,12 @@ How. The process torchrun starts is a thin client: this module, standard library
   client's end closes (the client SIGKILLed, say), the child kills itself with SIGKILL. So
   killing the process torchrun started does what it did before.
 
+- **A node joining a running job.** The first start of the node's workers would run cold while
+  every other node's workers wait in their new process group for them (2.7 s on 2 cores). So the
+  ``elastictrain-c10d`` handler of a joining agent runs ``warmstart --prepare`` with the workers'
+  arguments before it joins (``join_warmup.py``): it forks the server as a first worker would,
+  without running the target, and the node's first workers start warm.
+
 Anything that fails before a child starts falls back to the cold path, with one line on stderr.
 What differs from a cold worker: the child shares the server's ``PYTHONHASHSEED`` (string hash
 order), and the modules in ``--preload`` were imported with the environment of the first
@@ -137,11 +143,17 @@ def runtime_dir() -> str:
 # ---- the client: what torchrun starts ---------------------------------------------------------
 
 
+PREPARE = "--prepare"  # first argument: fork this agent's server and exit, running nothing (join_warmup.py)
+SERVER_BOUND_WITHIN_S = 10.0  # how long --prepare waits for the server it forked to bind its socket
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(HELP)
         return
+    if argv[:1] == [PREPARE]:
+        prepare(argv[1:])
     target = parse(argv)
     if target is None:
         say(USAGE)
@@ -166,6 +178,34 @@ def main(argv: list[str] | None = None) -> None:
         run_target(target.module, target.script, target.args, os.getcwd())
 
 
+def prepare(argv: list[str]) -> NoReturn:
+    """``--prepare``, run by a torchrun agent (its child, as its workers are) before it joins a running job: fork
+    the server a first worker would fork, for the workers' arguments ``argv``, and exit 0 once its socket is bound
+    (1, with one line, when no server could be started). Runs nothing of the target."""
+    target = parse(argv)
+    if target is None or not hasattr(os, "pidfd_open"):
+        say("--prepare: " + (USAGE if target is None else "no pidfds here: the node's first start runs cold"))
+        os._exit(2 if target is None else 1)
+    base = server_base(target, os.getppid())
+    connection = _connect(base + ".sock")
+    if connection is not None:  # a server of this agent already answers
+        connection.close()
+        os._exit(0)
+    started = _start_server(base, target, preparing=True)
+    if started is SERVED:
+        os._exit(0)
+    if isinstance(started, ChildJob):  # a worker the server forked later: the target runs there
+        run_child(started)
+    if started is None or not os.path.exists(base + ".lock"):  # no server: it said why (the lock gone: none forked)
+        os._exit(1)
+    deadline = time.monotonic() + SERVER_BOUND_WITHIN_S
+    while not os.path.exists(base + ".sock") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if os.path.exists(base + ".sock") else 1)
+
+
 def _connect(path: str) -> socket.socket | None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -184,7 +224,7 @@ SERVED = object()  # what _start_server returns in the server once it is done se
 SEEDED = object()  # ... and in the worker that forked the server from itself
 
 
-def _start_server(base: str, target: Target) -> object:
+def _start_server(base: str, target: Target, preparing: bool = False) -> object:
     """Fork the node's server from this worker once it has imported what the server preloads.
 
     Returns None when a server of this agent holds the lock but does not answer yet (or it cannot
@@ -244,7 +284,11 @@ def _start_server(base: str, target: Target) -> object:
     os.waitpid(pid, 0)
     os.close(lock_fd)
     os.close(agent_fd)
-    say("this start runs cold and forked a preloaded interpreter from itself: restarts fork from it")
+    say(
+        "forked a preloaded interpreter before this node joined the job: its first workers start warm"
+        if preparing
+        else "this start runs cold and forked a preloaded interpreter from itself: restarts fork from it"
+    )
     return SEEDED
 
 
