@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -109,7 +109,27 @@ def setup(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> DistCont
         round_id = agree_on_round(run_store, env.rank, env.world_size, cfg.init_timeout_s)
         check_no_fatal_error(run_store, env, round_id)
         _init_process_group(env, run_store, round_id, backend, device, cfg)
+        env = replace(env, restart_count=_group_restart_count(env.restart_count, device))
+        log.info(
+            "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
+            backend,
+            env.rank,
+            env.world_size,
+            env.restart_count,
+            round_id,
+            env.launcher,
+        )
     return DistContext(env, distributed, device, backend, cfg.collective_timeout_s, run_store, round_id)
+
+
+def _group_restart_count(own: int, device: torch.device) -> int:
+    """The launcher's restart count of the group: the highest of its agents'. torchrun counts a restart only on the
+    agent that saw one of its own workers fail; an agent that restarts because another node rejoined the round (a
+    membership change) keeps its count. With two nodes, the node whose worker died may be either one, and what rank 0
+    reports (the restarts metric, the run log, goodput's restart time) is the group's."""
+    count = torch.tensor([own], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def _choose_device(choice: str, local_rank: int) -> torch.device:
@@ -163,15 +183,6 @@ def _init_process_group(
         device_id=device if device.type == "cuda" else None,
     )
     keep_excepthook_outermost()  # init_process_group wrapped it: a user error's one line would be lost
-    log.info(
-        "process group %s up: rank %d of %d, restart %d, round %s, launcher %s",
-        backend,
-        env.rank,
-        env.world_size,
-        env.restart_count,
-        round_id,
-        env.launcher,
-    )
 
 
 FATAL_KEY = "fatal_error"

@@ -264,7 +264,9 @@ class _ScrapeTimeCollector(Collector):
             )
             yield histogram
         restarts = CounterMetricFamily(
-            PREFIX + "restarts", "Worker-group restarts by the launcher (torchrun/SLURM restart count).", labels=names
+            PREFIX + "restarts",
+            "Worker-group restarts by the launcher (torchrun/SLURM restart count, the group's highest).",
+            labels=names,
         )
         restarts.add_metric(values, info.restart_count)
         yield restarts
