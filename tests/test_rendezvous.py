@@ -162,3 +162,25 @@ def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_pa
     host.shutdown()
     assert leave_round(host._inner) and host.is_closed()
     other.shutdown()
+
+
+def test_an_agent_leaves_at_exit_only_after_a_signal_and_while_the_rendezvous_answers():
+    # torchrun shuts the handler down at the job's end and after an error (the store lost with its host): nothing to
+    # leave then. After a signal it does not, and the agent leaves if the rendezvous endpoint still answers.
+    import socket
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastictrain.launcher.rendezvous import c10d, reachable
+    from tests.helpers.agents import free_port
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    endpoint = listening.getsockname()
+    assert reachable(endpoint)
+    listening.close()
+    assert not reachable(endpoint)
+    handler = c10d()(RendezvousParameters("elastictrain-c10d", f"127.0.0.1:{free_port()}", "exit-test", 1, 2,
+                                          is_host="1"))
+    assert not handler.shut_down
+    handler.shutdown()
+    assert handler.shut_down

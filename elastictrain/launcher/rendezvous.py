@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import sys
 import threading
 import time
@@ -66,6 +67,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # torch's
     _RendezvousExitOp,
     _RendezvousStateHolder,
 )
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastictrain.core.errors import ConfigError
 from elastictrain.launcher.join_warmup import warm_before_joining
@@ -78,6 +80,7 @@ Creator = Callable[[RendezvousParameters], RendezvousHandler]
 # are RendezvousTimeout's, used where a key is not given.
 KEEP_ALIVE_INTERVAL_S = 5.0
 KEEP_ALIVE_MAX_ATTEMPT = 3
+DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}  # torch's, for an endpoint given without one
 LEAVE_WITHIN_S = 1.0  # an agent's exit waits this long at most to leave its round (a store gone: it cannot)
 POLL_INTERVAL_S = 0.1  # torch: 1 s (its executor's wait between reads of the round, its state holder's cache)
 TIMEOUTS = ("join", "last_call", "close", "heartbeat")
@@ -193,6 +196,11 @@ class RoundPublishingHandler(RendezvousHandler):
         self._inner = inner
         self._backend = backend
         self._joined = False
+        self.shut_down = False  # torchrun called shutdown(): the job ended, or failed (leave_round_at_exit)
+
+    @property
+    def inner(self) -> RendezvousHandler:
+        return self._inner
 
     def next_rendezvous(self) -> RendezvousInfo:
         if not self._joined:
@@ -237,6 +245,7 @@ class RoundPublishingHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        self.shut_down = True
         return self._inner.shutdown()
 
 
@@ -255,8 +264,11 @@ def _wrapping(torch_backend: str) -> Creator:
             )
         )
         poll_every(inner, poll_s)
-        leave_round_at_exit(inner)
-        return RoundPublishingHandler(inner, f"elastictrain-{torch_backend}")
+        handler = RoundPublishingHandler(inner, f"elastictrain-{torch_backend}")
+        leave_round_at_exit(
+            handler, parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORTS[torch_backend])
+        )
+        return handler
 
     return create
 
@@ -296,8 +308,9 @@ def _c10d(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_max_attempt=timing.keep_alive_max_attempt,
     )
     poll_every(inner, timing.poll_interval_s)
-    leave_round_at_exit(inner)
-    return RoundPublishingHandler(inner, "elastictrain-c10d")
+    handler = RoundPublishingHandler(inner, "elastictrain-c10d")
+    leave_round_at_exit(handler, parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORTS["c10d"]))
+    return handler
 
 
 def leave_round(handler: RendezvousHandler, within_s: float = LEAVE_WITHIN_S) -> bool:
@@ -322,10 +335,25 @@ def leave_round(handler: RendezvousHandler, within_s: float = LEAVE_WITHIN_S) ->
     return done.is_set()
 
 
-def leave_round_at_exit(handler: RendezvousHandler) -> None:
-    """Leave the round when the agent's process exits (``leave_round``); after torchrun's own shutdown of the
-    handler (the job's end) the rendezvous stays closed, and the node's leaving changes nothing."""
-    atexit.register(leave_round, handler)
+def leave_round_at_exit(handler: RoundPublishingHandler, endpoint: tuple[str, int]) -> None:
+    """Leave the round when the agent's process exits on a signal (``leave_round``). Not after torchrun shut the
+    handler down (the job's end, or an error: torchrun did what there is to do), nor when nothing answers at the
+    rendezvous ``endpoint`` (its host gone: the store's client would only print its C++ warnings)."""
+
+    def leave() -> None:
+        if not handler.shut_down and reachable(endpoint):
+            leave_round(handler.inner)
+
+    atexit.register(leave)
+
+
+def reachable(endpoint: tuple[str, int], within_s: float = 0.5) -> bool:
+    """Whether a TCP connection to ``endpoint`` (host, port) opens."""
+    try:
+        socket.create_connection(endpoint, timeout=within_s).close()
+    except OSError:
+        return False
+    return True
 
 
 # The torchrun.handlers entry points: each returns the creator torchrun registers under its name.
