@@ -141,13 +141,14 @@ def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_pa
     from tests.helpers.agents import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "last_call_timeout": "30"}
-    host = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 1, 2, is_host="1", **conf))
-    other = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 1, 2, is_host="0", **conf))
+    # min_nodes = max_nodes = 2: the round completes once both joined, never with one alone however late the other
+    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "join_timeout": "120"}
+    host = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="1", **conf))
+    other = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="0", **conf))
     joined = threading.Thread(target=other.next_rendezvous)
     joined.start()
-    host.next_rendezvous()  # a round of two completes at once (max_nodes), the 30 s last call never waited
-    joined.join(30)
+    host.next_rendezvous()
+    joined.join(120)
 
     def participants():
         holder = host._inner._state_holder

@@ -17,13 +17,12 @@ A fresh job's first round, a job not started through warmstart, or a failed warm
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 log = logging.getLogger("elastictrain")
 
@@ -36,10 +35,15 @@ def warmstart_args(torchrun_argv: Sequence[str]) -> list[str] | None:
     line), or None when the workers are not started through it (a script, ``--no-python``, ``--run-path``)."""
     from torch.distributed.run import get_args_parser
 
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:  # argparse would print its usage and exit the agent
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage lines: not torchrun's command line
-            args = get_args_parser().parse_args(list(torchrun_argv))
-    except SystemExit:  # a launcher called in-process (a test, an embedding program)
+        args = parser.parse_args(list(torchrun_argv))
+    except (ValueError, SystemExit):  # not torchrun's command line: a launcher called in-process (a test, a program)
         return None
     if not args.module or args.no_python or args.run_path or args.training_script != WARMSTART:
         return None
