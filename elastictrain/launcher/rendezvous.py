@@ -177,7 +177,7 @@ def poll_every(handler: RendezvousHandler, poll_s: float) -> bool:
     holder = getattr(handler, "_state_holder", None)
     if type(executor) is not _DistributedRendezvousOpExecutor or not isinstance(holder, _BackendRendezvousStateHolder):
         log.warning(
-            "elastictrain-c10d: this torch's rendezvous handler has no executor or state holder where torch 2.13 has "
+            "elastictrain's rendezvous: this torch's handler has no executor or state holder where torch 2.13 has "
             "them; the round's state is read once a second, as torch does (restarts take ~1 s longer)"
         )
         return False
@@ -263,12 +263,7 @@ def _wrapping(torch_backend: str) -> Creator:
                 **{key: value for key, value in params.config.items() if key != "poll_interval"},
             )
         )
-        poll_every(inner, poll_s)
-        handler = RoundPublishingHandler(inner, f"elastictrain-{torch_backend}")
-        leave_round_at_exit(
-            handler, parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORTS[torch_backend])
-        )
-        return handler
+        return _ours(inner, torch_backend, params.endpoint, poll_s)
 
     return create
 
@@ -307,9 +302,15 @@ def _c10d(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=timing.keep_alive_interval_s,  # type: ignore[arg-type]
         keep_alive_max_attempt=timing.keep_alive_max_attempt,
     )
-    poll_every(inner, timing.poll_interval_s)
-    handler = RoundPublishingHandler(inner, "elastictrain-c10d")
-    leave_round_at_exit(handler, parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORTS["c10d"]))
+    return _ours(inner, "c10d", params.endpoint, timing.poll_interval_s)
+
+
+def _ours(inner: RendezvousHandler, torch_backend: str, endpoint: str, poll_s: float) -> RoundPublishingHandler:
+    """torch's handler made ``elastictrain-<torch_backend>``: the round read every ``poll_s``, the store's address
+    published every round, the round left at a signalled agent's exit."""
+    poll_every(inner, poll_s)
+    handler = RoundPublishingHandler(inner, f"elastictrain-{torch_backend}")
+    leave_round_at_exit(handler, parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORTS[torch_backend]))
     return handler
 
 
