@@ -436,3 +436,34 @@ def test_under_skip_every_rank_gets_one_answer_and_under_rollback_each_its_own_w
     assert all(total == 3.0 for _, total, _ in out.values()), out
     if policy == "rollback":  # the rank that holds its update raised a sighting: the vote rolls every rank back
         assert out[1][2] == "loss" and out[0][2] is None, out
+
+
+def test_a_custom_loops_loss_handed_to_gradients_ok_and_to_step_is_read_once_and_a_nan_still_holds_the_update():
+    # session.gradients_ok(loss=loss) then session.step(loss=loss): the same object for the same step is one host
+    # read (on an accelerator, one wait for the device), not two; another object or another step is read again.
+    from types import SimpleNamespace
+
+    from elastictrain.core.config import AnomalyConfig
+    from elastictrain.health.anomalies import Anomalies
+
+    class Loss:
+        def __init__(self, value: float) -> None:
+            self.value, self.reads = value, 0
+
+        def __float__(self) -> float:
+            self.reads += 1
+            return self.value
+
+    anomalies = Anomalies(AnomalyConfig(), AnomalyLog(), GradNormStatistic())
+    anomalies.attach(SimpleNamespace(is_main=True, world_size=1, distributed=False), None)
+    loss = Loss(1.0)
+    assert anomalies.gradients_ok(None, 1, loss=loss)
+    anomalies.loss(loss, 1)
+    assert loss.reads == 1
+    anomalies.loss(loss, 2)
+    anomalies.loss(Loss(1.0), 2)
+    assert loss.reads == 2
+    bad = Loss(math.nan)
+    assert not anomalies.gradients_ok(None, 3, loss=bad)
+    anomalies.loss(bad, 3)
+    assert bad.reads == 1 and anomalies.pending is not None and anomalies.pending.step == 3

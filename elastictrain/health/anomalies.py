@@ -76,6 +76,7 @@ class Anomalies:
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
         self._index = 0  # which gradients_ok call of the step
         self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
+        self._loss_read: tuple[int, Any] | None = None  # (step, the object): a custom loop hands the same loss twice
         self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
         self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
         self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
@@ -156,7 +157,11 @@ class Anomalies:
         agreed in ``gradients_ok``) and, in rollback mode, is raised for the vote."""
         if value is None or not self.active or step in self.record.skipped_steps:
             return
-        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        read = self._loss_read
+        if read is not None and read[0] == step and read[1] is value:  # gradients_ok(loss=) then step(loss=): read
+            return
+        self._loss_read = (step, value)
+        number = float(value)  # a tensor's one element (a host read on an accelerator), or a number
         if math.isfinite(number):
             return
         if self._own_loss is None or self._own_loss[0] != step:

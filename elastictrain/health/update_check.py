@@ -49,6 +49,9 @@ class UpdateDecision:
     origin: tuple[int, ...] = ()  # the ranks whose own loss was non-finite
 
 
+TAKE = UpdateDecision(True)  # nothing found: the decision of almost every step, made once
+
+
 def finding_of(norm: float | None, spike: bool, loss: float | None, host: str = "") -> Finding | None:
     """This rank's finding from the gradient norm it read (None: not read), whether that norm spikes, and its own
     loss of the step (None: not known); None when nothing is wrong."""
@@ -64,7 +67,7 @@ def decide_update(findings: list[Finding | None]) -> UpdateDecision:
     """From every rank's finding (in rank order): the update is taken only when no rank found anything."""
     seen = [(rank, f) for rank, f in enumerate(findings) if f is not None]
     if not seen:
-        return UpdateDecision(True)
+        return TAKE
     found = min((f for _, f in seen), key=lambda f: KINDS.index(f.kind))
     return UpdateDecision(
         False,
