@@ -49,6 +49,10 @@ class Requests:
     anomaly: bool = False  # some rank saw a non-finite or spiking step (anomaly.policy=rollback): every rank rolls back
 
     def __or__(self, other: Requests) -> Requests:
+        if other == NOTHING or other == self:  # the usual case at a step's boundary: nothing asked
+            return self
+        if self == NOTHING:
+            return other
         return Requests(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})
 
 

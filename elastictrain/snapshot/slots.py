@@ -75,7 +75,7 @@ class StepSlots:
         self._sequence += 1
         entry = checksum_bytes(payload)
         header = _HEADER.pack(self._sequence, entry.size, entry.digest.encode())
-        os.pwrite(self._fds[self._sequence % 2], header + payload, 0)
+        os.pwritev(self._fds[self._sequence % 2], (header, payload), 0)  # one call, the payload not copied again
 
     def read(self, rank: int, want: tuple[int, int, str] | None = None) -> dict[str, Any] | None:
         """The intact record of ``rank``'s slot naming ``want`` (step, metric records, round) if either of its two
