@@ -128,7 +128,7 @@ def test_a_bad_value_ends_torchruns_handler_creation_with_its_line_and_exit_2(ca
                                        "number of seconds, e.g. keep_alive_interval=0.5\n")
 
 
-def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_path):
+def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_path, caplog):
     # Two agents' handlers, as torchrun builds them, form a round of two on a real c10d store; one leaves (what its
     # exit does after a SIGTERM): the round holds the other alone, so its next round need not wait for the leaver's
     # heartbeat to go stale. After torchrun's shutdown (the job's end) leaving changes nothing: the rendezvous stays
@@ -140,15 +140,16 @@ def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_pa
     from elastictrain.launcher.rendezvous import c10d, leave_round
     from tests.helpers.agents import free_port
 
+    caplog.set_level("DEBUG", logger="torch.distributed.elastic.rendezvous")  # on a failure: every state the ops saw
     endpoint = f"127.0.0.1:{free_port()}"
     # min_nodes = max_nodes = 2: the round completes once both joined, never with one alone however late the other
-    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "join_timeout": "120"}
+    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "join_timeout": "60"}
     host = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="1", **conf))
     other = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="0", **conf))
     joined = threading.Thread(target=other.next_rendezvous)
     joined.start()
     host.next_rendezvous()
-    joined.join(120)
+    joined.join(60)
 
     def participants():
         holder = host._inner._state_holder
