@@ -65,8 +65,11 @@ def main() -> None:
     stamps: list[float] = []
     snapshots: list[tuple[str, int]] = []  # (tier, step) of each committed snapshot, rank 0's record
 
+    cpu: list[float] = []  # this process's CPU seconds (every thread) at each stamp
+
     def loss_fn(module, batch):
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         inputs, labels = batch
         return F.cross_entropy(module(inputs), labels)
 
@@ -123,7 +126,10 @@ def main() -> None:
         span = stamps[-1] - stamps[args.warmup]
         with open(args.out, "w") as out:
             timed = [tier for tier, step in snapshots if step > args.warmup]  # in the span timed
+            steps = sorted(b - a for a, b in zip(stamps[args.warmup:], stamps[args.warmup + 1:]))
             json.dump({"step_s": span / (len(stamps) - 1 - args.warmup), "steps": len(stamps),
+                       "median_step_s": steps[len(steps) // 2],
+                       "cpu_step_s": (cpu[-1] - cpu[args.warmup]) / (len(cpu) - 1 - args.warmup),
                        "snapshots_timed": {tier: timed.count(tier) for tier in sorted(set(timed))}}, out)
 
 

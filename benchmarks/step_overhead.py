@@ -127,14 +127,23 @@ def main() -> None:
         for model in args.models.split(","):
             n = args.steps or (200 if model == "wide" else 600)
             times, snapshots = {mode: [] for mode in modes}, {mode: [] for mode in modes}
+            medians, cpus = {mode: [] for mode in modes}, {mode: [] for mode in modes}  # rank 0's median step, CPU s
             for repeat in range(args.repeats):
                 order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]  # rotate the order
                 for mode in order:
                     job = run_once(mode.removesuffix("@before"), model, n, workdir, pathlib.Path(fast), roots[mode])
                     times[mode].append(job["step_s"])
+                    medians[mode].append(job["median_step_s"])
+                    cpus[mode].append(job["cpu_step_s"])
                     snapshots[mode].append(job.get("snapshots_timed", {}))
                 loads.append(load())
             results[model] = {f"{mode}_step_ms": [t * 1e3 for t in times[mode]] for mode in modes}
+            # Beside the mean: the median step (the per-step cost, without the periodic work and the machine's
+            # hiccups) and rank 0's CPU seconds a step (every thread), each paired with the hand loop's.
+            for name, values in (("median_step", medians), ("cpu_step", cpus)):
+                results[model].update({f"{mode}_{name}_ms": [t * 1e3 for t in values[mode]] for mode in modes})
+                results[model].update({f"{mode}_{name}_median_ratio": statistics.median(
+                    a / b for a, b in zip(values[mode], values["hand"], strict=True)) for mode in modes[1:]})
             results[model].update({f"{mode}_snapshots_timed": snapshots[mode] for mode in modes if any(snapshots[mode])})
             for mode in modes[1:]:
                 ratios = [e / h for e, h in zip(times[mode], times["hand"], strict=True)]
@@ -156,6 +165,9 @@ def main() -> None:
                 f" | {r[mode + '_over_before_median']:.3f} ({min(r[mode + '_over_before_ratios']):.2f}-" \
                 f"{max(r[mode + '_over_before_ratios']):.2f})"
             print(f"| {model} | {mode} | {statistics.median(r[mode + '_step_ms']):.3f} | {ratio}{before} |")
+            if mode != "hand":
+                print(f"  {mode}: median step / hand's {r[mode + '_median_step_median_ratio']:.3f}, "
+                      f"CPU a step / hand's {r[mode + '_cpu_step_median_ratio']:.3f} (medians of paired)")
             if mode + "_snapshots_timed" in r:
                 print(f"  {mode}: snapshots committed in each job's span timed: {r[mode + '_snapshots_timed']}")
     pathlib.Path(args.out).write_text(json.dumps({
