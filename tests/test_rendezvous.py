@@ -143,7 +143,8 @@ def test_an_agent_leaving_takes_its_node_out_of_the_round_the_other_is_in(tmp_pa
     caplog.set_level("DEBUG", logger="torch.distributed.elastic.rendezvous")  # on a failure: every state the ops saw
     endpoint = f"127.0.0.1:{free_port()}"
     # min_nodes = max_nodes = 2: the round completes once both joined, never with one alone however late the other
-    conf = {"keep_alive_interval": "0.25", "keep_alive_max_attempt": "40", "join_timeout": "60"}
+    # A heartbeat a second (not 0.25 s): fewer writes for a joining handler's compare-and-set to lose against.
+    conf = {"keep_alive_interval": "1", "keep_alive_max_attempt": "30", "join_timeout": "60"}
     host = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="1", **conf))
     other = c10d()(RendezvousParameters("elastictrain-c10d", endpoint, "leave-test", 2, 2, is_host="0", **conf))
     joined = threading.Thread(target=other.next_rendezvous)
