@@ -208,3 +208,36 @@ def test_process_age_counts_from_process_creation_or_the_last_run_in_it():
     # In this long-lived test process, a run that just closed resets the start of the next one.
     Goodput().closed()
     assert goodput_module.process_age_s_now() < goodput_module._proc_age_s()
+
+
+def test_an_attempt_that_ends_writes_the_step_it_reached_and_a_rollback_the_step_it_rolled_back_from(tcp_store):
+    """A peer lost between two writes: rank 0 survives it and writes its step as it ends, so the restart counts the
+    steps it redoes; after a rollback the high-water mark is the step rolled back from, not the replay's."""
+    clock = FakeClock()
+    attempt = Goodput(clock=clock, process_age_s=lambda: 0.0)
+    attempt.started(run_info(store=tcp_store))
+    play(attempt, clock, [(0.0, "transition", S.SETUP, S.RESTORE, 0), (0.0, "transition", S.RESTORE, S.TRAIN, 0)])
+    for step in range(1, 38):
+        play(attempt, clock, [(0.125, "stepped", step)])
+    assert tcp_store.get(HIGH_WATER_KEY) == b"32"
+    play(attempt, clock, [(0.125, "transition", S.TRAIN, S.FAILED, 37)])
+    attempt.closed()
+    assert tcp_store.get(HIGH_WATER_KEY) == b"37"
+
+    clock = FakeClock()
+    second = Goodput(clock=clock, process_age_s=lambda: 0.0)
+    second.started(run_info(restart_count=1, store=tcp_store))
+    play(second, clock, [
+        (0.0, "transition", S.SETUP, S.RESTORE, 0),
+        (0.0, "restored", 30, 0.0, True),
+        (0.0, "transition", S.RESTORE, S.TRAIN, 30),
+        (4.0, "trained", interval(50, steps=20)),  # steps 31..50: 7 of 20 recompute; 50 written
+        (0.1, "stepped", 51), (0.1, "stepped", 52), (0.1, "stepped", 53),  # within the second: not written
+        (0.0, "transition", S.TRAIN, S.ROLLBACK, 53),
+        (0.0, "rolled_back", 53, 45, 0.0),
+        (0.0, "transition", S.ROLLBACK, S.TRAIN, 45),
+    ])
+    assert second.seconds_by_cause()["recompute"] == pytest.approx(4.0 * 7 / 20)
+    assert tcp_store.get(HIGH_WATER_KEY) == b"50"
+    play(second, clock, [(1.5, "stepped", 46)])
+    assert tcp_store.get(HIGH_WATER_KEY) == b"53", "the replay's step 46: the mark is the step rolled back from"

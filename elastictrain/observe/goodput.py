@@ -10,8 +10,10 @@ one exported. The counters travel in the snapshot (``state_dict``), so they are 
 the whole run: a restored attempt continues from the saved totals. Seconds an attempt spent
 after its last snapshot are lost from the counters when it is killed; the steps it reached are
 not, because rank 0 records its highest step in the launcher's store (``RunInfo.store``) at most
-every ``HIGH_WATER_EVERY_S`` (the loop calls ``stepped`` after each optimizer step) and at each
-log interval, and the next attempt counts re-training up to that step as ``recompute``.
+every ``HIGH_WATER_EVERY_S`` (the loop calls ``stepped`` after each optimizer step), at each
+log interval and as its attempt ends (a peer lost: rank 0 survives it and writes the step it
+reached), and the next attempt counts re-training up to that step as ``recompute``. Only the
+steps of a rank 0 killed itself, after its last write, go uncounted.
 
 The first attempt's own start-up (process start to the first state) is not counted anywhere:
 it is the cost of launching a job at all, not of a fault.
@@ -19,6 +21,7 @@ it is the cost of launching a job at all, not of a fault.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,6 +30,8 @@ from typing import Any
 
 from elastictrain.core.events import Observer, RunInfo
 from elastictrain.core.states import TERMINAL, State
+
+log = logging.getLogger("elastictrain")
 
 CAUSES = ("productive", "snapshot", "restore", "recompute", "evaluate", "restart", "rollback")
 HIGH_WATER_KEY = "high_water_step"  # in RunInfo.store: the highest global step any attempt trained to
@@ -80,6 +85,7 @@ class Goodput(Observer):
         if info.store is not None and info.store.check([HIGH_WATER_KEY]):
             # Read once per attempt: later writes are this attempt's own progress, not recompute.
             self._high_water_step = int(info.store.get(HIGH_WATER_KEY))
+            self._high_water_written = self._high_water_step  # what the store holds: written again only above it
 
     def transition(self, src: State, dst: State, step: int) -> None:
         now = self._clock()
@@ -118,6 +124,10 @@ class Goodput(Observer):
                 self._close_interval(self._clock(), self._step)
                 self._state = State.FAILED
         _last_closed_unix = time.time()
+        try:  # the step this attempt reached, for the next one's recompute (a lost peer's restart above all)
+            self._write_high_water(self._step)
+        except Exception as error:  # the launcher's store gone with its host: the next attempt counts less
+            log.debug("goodput: the high-water step was not written at the end: %s", error)
 
     # -- results ----------------------------------------------------------------------------
 
@@ -156,7 +166,8 @@ class Goodput(Observer):
         if info is None or info.rank != 0 or info.store is None:  # only rank 0 writes the store
             return
         self._high_water_written_at = self._clock()
-        if step > max(self._high_water_step, self._high_water_written):
+        step = max(step, self._high_water_step)  # a rollback's replay starts below the step it rolled back from
+        if step > self._high_water_written:
             info.store.set(HIGH_WATER_KEY, str(step))
             self._high_water_written = step
 
