@@ -62,10 +62,11 @@ WORKER_MODE = {"hand": "hand", "session": "session", "session_all_on": "session"
 def run_once(mode: str, model: str, steps: int, workdir: pathlib.Path, fast: pathlib.Path,
              root: pathlib.Path = REPO_ROOT) -> dict:
     """One job of ``mode`` on ``model``: rank 0's ``{"step_s", "snapshots_timed"}`` (snapshots committed in the span
-    timed, per tier); ``fast``: where fast copies go; ``root``: the checkout whose elastictrain it runs (``--before``)."""
+    timed, per tier); ``fast``: where fast copies go; ``root``: the checkout whose elastictrain it runs (``--before``),
+    with this checkout's worker, so that both report the same fields."""
     out = workdir / f"{mode}-{model}-{time.time_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=127.0.0.1:0", str(root / WORKER.relative_to(REPO_ROOT)),
+               "--rdzv-endpoint=127.0.0.1:0", str(WORKER),
                f"--mode={WORKER_MODE.get(mode, 'elastictrain')}",
                f"--model={model}", f"--steps={steps}", f"--out={out}", f"--run-dir={workdir / f'run-{out.stem}'}",
                f"--warmup={min(30, steps // 3)}", f"--batch-size={64 if model == 'small' else 32}"]
