@@ -49,7 +49,7 @@ def test_every_fault_kind_in_one_job_ends_bitwise_equal_to_an_unbroken_run_and_l
     assert chaos.not_visible(output, faults) == []
     causes = chaos.goodput_by_cause(job.durable_url, s3_server.storage_options)["seconds_by_cause"]
     # Recompute is not asserted: survivor copies can leave every restart with no step to redo, and a rank 0 killed
-    # itself leaves up to a second of its steps unrecorded (one run here redid 2 and 28 steps, and counted none
+    # itself leaves up to a second of its steps unrecorded (one run here redid 2 steps twice and counted none
     # before an ending rank 0 wrote its step). test_goodput.py counts it on a real store.
     for cause in ("restart", "restore", "rollback"):
         assert causes[cause] > 0, causes
