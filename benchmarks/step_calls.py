@@ -37,8 +37,9 @@ def loop(mode: str, steps: int) -> dict[str, float]:
         from elastictrain.train.session import Session
 
         model = torch.nn.Linear(64, 10)
+        run_dir = tempfile.TemporaryDirectory()  # removed as the child exits
         config = {
-            "run": {"dir": tempfile.mkdtemp()},
+            "run": {"dir": run_dir.name},
             "train": {"max_epochs": 1, "batch_size": 64, "log_every_steps": 50},
             "snapshot": {"durable": {"every_steps": 0, "on_done": False, "lease_stale_after_s": 0}},
             "log": {"progress_bar": False, "plots": False, "level": "WARNING"},

@@ -21,8 +21,9 @@ class GradientSyncTimer:
     Which gradient arrives last is learnt, not assumed: at the first step of each log interval
     every parameter has a hook; from the next step on only the parameter found last keeps one, so
     a step pays one small Python call, not one per parameter (~1 µs each: 0.4 ms a backward at 300
-    tensors, benchmarks/hook_cost.py). An order that changes within an interval (a dynamic graph) at worst counts some
-    of the backward after the hooked gradient as waiting, until the next interval learns again.
+    tensors, benchmarks/hook_cost.py). An order that changes within an interval (a dynamic graph)
+    at worst counts some of the backward after the hooked gradient as waiting, until the next
+    interval learns again.
 
     ``register(ddp_model)`` before the first step, ``backward_done()`` after the backward that
     synchronises (the last micro-batch), ``take()`` for the mean wait per step since the last take.
