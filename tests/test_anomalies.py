@@ -467,3 +467,30 @@ def test_a_custom_loops_loss_handed_to_gradients_ok_and_to_step_is_read_once_and
     assert not anomalies.gradients_ok(None, 3, loss=bad)
     anomalies.loss(bad, 3)
     assert bad.reads == 1 and anomalies.pending is not None and anomalies.pending.step == 3
+
+
+def test_a_loss_that_requires_grad_is_read_without_a_warning_and_not_kept_alive():
+    # The custom loop hands the loss tensor itself (it requires grad): reading its value must not warn the user, and
+    # the read-once record must not keep the last step's loss (and what its graph holds) alive.
+    import gc
+    import warnings
+    import weakref
+    from types import SimpleNamespace
+
+    from elastictrain.core.config import AnomalyConfig
+    from elastictrain.health.anomalies import Anomalies
+
+    anomalies = Anomalies(AnomalyConfig(), AnomalyLog(), GradNormStatistic())
+    anomalies.attach(SimpleNamespace(is_main=True, world_size=1, distributed=False), None)
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * 2).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert anomalies.gradients_ok(None, 1, loss=loss)
+        anomalies.loss(loss, 1)
+        anomalies.loss(float("nan"), 2)  # a plain number is read too
+    assert anomalies.pending is not None and anomalies.pending.step == 2
+    gone = weakref.ref(loss)
+    del loss
+    gc.collect()
+    assert gone() is None

@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import math
 import socket
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -76,7 +77,9 @@ class Anomalies:
         self.pending: Sighting | None = None  # rollback mode: this rank's first anomaly since the last rollback
         self._index = 0  # which gradients_ok call of the step
         self._own_loss: tuple[int, float] | None = None  # (step, value): this rank's non-finite loss of that step
-        self._loss_read: tuple[int, Any] | None = None  # (step, the object): a custom loop hands the same loss twice
+        # (step, a weak reference to the object read): a custom loop hands the same loss twice a step; weak, so the
+        # last loss tensor (and what its graph holds) is not kept alive past the caller's own reference
+        self._loss_read: tuple[int, weakref.ref] | None = None
         self._ahead: tuple[int, Callable[[], list]] | None = None  # (step, its agreement started before the backward)
         self._skipped_now: dict[str, Any] | None = None  # skip mode: this step's entry, samples still to add
         self._replayed_samples: list[int] | None = None  # the samples of the replayed anomalous step
@@ -158,10 +161,14 @@ class Anomalies:
         if value is None or not self.active or step in self.record.skipped_steps:
             return
         read = self._loss_read
-        if read is not None and read[0] == step and read[1] is value:  # gradients_ok(loss=) then step(loss=): read
+        if read is not None and read[0] == step and read[1]() is value:  # gradients_ok(loss=) then step(loss=): read
             return
-        self._loss_read = (step, value)
-        number = float(value)  # a tensor's one element (a host read on an accelerator), or a number
+        try:
+            self._loss_read = (step, weakref.ref(value))
+        except TypeError:  # a float or an int: reading it again costs nothing
+            self._loss_read = None
+        # a tensor's one element (a host read on an accelerator; detached: no warning for one that requires grad)
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if math.isfinite(number):
             return
         if self._own_loss is None or self._own_loss[0] != step:
