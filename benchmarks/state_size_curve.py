@@ -122,6 +122,7 @@ def in_process_rates(sizes_mb: list[float], repeats: int = 3) -> list[dict]:
 def _rates_at(mb: float, repeats: int) -> dict:
     from elastictrain.snapshot import format as snapshot
     from elastictrain.snapshot.staging import Stager
+    from elastictrain.storage.mapped import map_file
 
     tree = {f"t{i}": torch.rand(int(BLOCK_BYTES // 4)) for i in range(max(1, round(mb * 1e6 / BLOCK_BYTES)))}
     nbytes = sum(t.numel() * 4 for t in tree.values())
@@ -133,13 +134,15 @@ def _rates_at(mb: float, repeats: int) -> dict:
         with open(path, "wb") as file:
             snapshot.save_object(tree, file)
 
-    times: dict[str, list[float]] = {"copy": [], "stage": [], "save_shm": [], "load": []}
+    times: dict[str, list[float]] = {"copy": [], "stage": [], "save_shm": [], "load": [], "load_mapped": []}
     try:
         for _ in range(repeats):
             times["copy"].append(_timed(lambda: [buffers[k].copy_(t) for k, t in tree.items()]))
             times["stage"].append(_timed(lambda: stager.stage(tree)))
             times["save_shm"].append(_timed(save))
             times["load"].append(_timed(lambda: snapshot.load_object(path.read_bytes(), "curve")))
+            # as a local store reads it now: mapped, each tensor copied out once (storage/mapped.py)
+            times["load_mapped"].append(_timed(lambda: snapshot.load_object(map_file(str(path)), "curve")))
     finally:
         path.unlink(missing_ok=True)
     medians = {key: statistics.median(values) for key, values in times.items()}
@@ -249,12 +252,14 @@ def main() -> None:
     sizes = [float(size) for size in args.sizes.split(",")]
     rates = in_process_rates(sizes)
     print("in this process, one thread, median of 3: seconds, and over a plain copy of the same bytes")
-    print("| state MB | load | copy s | stage s (×copy) | save to /dev/shm s (×copy) | read + load s (×copy) |")
-    print("|---|---|---|---|---|---|")
+    print("| state MB | load | copy s | stage s (×copy) | save to /dev/shm s (×copy) | read + load s (×copy) "
+          "| mapped load s (×copy) |")
+    print("|---|---|---|---|---|---|---|")
     for rate in rates:
         sec, over = rate["seconds"], rate["over_copy"]
         print(f"| {rate['mb']:.0f} | {rate['load_average']:.1f} | {sec['copy']:.3f} | {sec['stage']:.3f} ({over['stage']}) | "
-              f"{sec['save_shm']:.3f} ({over['save_shm']}) | {sec['load']:.3f} ({over['load']}) |")
+              f"{sec['save_shm']:.3f} ({over['save_shm']}) | {sec['load']:.3f} ({over['load']}) | "
+              f"{sec['load_mapped']:.3f} ({over['load_mapped']}) |")
     if args.in_process_only:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "state_size_curve", "command": " ".join(["python", *sys.argv]),

@@ -538,3 +538,81 @@ def test_disk_full_is_one_clear_error_and_earlier_snapshots_stay_intact(small_tm
     assert [item.step for item in store.list_snapshots()] == [10, 20]
     assert store.read_verified("step-000000000010")[1] == {"model": b"model at step 10"}
     assert store.latest_valid()[1] == {"model": b"model at step 20"}
+
+
+def mapped_ranges(path):
+    """The address ranges this process maps from the file at ``path`` (/proc/self/maps names its device and inode)."""
+    stat = os.stat(path)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 5 and fields[3] == device and int(fields[4]) == stat.st_ino:
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def mapped_resident_kb(path):
+    """kB of this process's maps of the file at ``path`` that are resident (/proc/self/smaps)."""
+    stat = os.stat(path)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = len(fields) >= 5 and fields[3] == device and int(fields[4]) == stat.st_ino
+            elif inside and fields[0] == "Rss:":
+                resident += int(fields[1])
+    return resident
+
+
+def test_a_local_stores_objects_are_mapped_and_load_into_memory_of_their_own(tmp_path):
+    # A local object is mapped, not read into bytes; torch.load maps that same file, and every tensor handed on is
+    # copied out of it (the STATE object's tensors end in the Statefuls: a tensor left in the file's pages would
+    # keep a pruned tmpfs copy in memory, and one cut short under it would fault). Views keep sharing their storage.
+    torch = pytest.importorskip("torch")
+    from elastictrain.snapshot.format import load_object, writer_for
+    from elastictrain.storage.mapped import MappedFile
+
+    weights = torch.arange(4096, dtype=torch.float32)
+    state = {"moments": [weights * 2, (weights * 3)[10:20]], "step": 7}
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    manifest = store.commit(5, {"state.pt": writer_for(state), "empty": write_bytes(b"")}, meta={})
+    _, payload = store.read_verified(manifest.snapshot_id)
+    assert isinstance(payload["state.pt"], MappedFile) and payload["empty"] == b""
+    path = object_path(store, 5, "state.pt")
+    # verified, its pages left the resident set: torch.load's own map would otherwise count them twice in RSS
+    assert mapped_resident_kb(path) == 0
+    with open(path, "rb") as handle:
+        assert bytes(payload["state.pt"]) == handle.read()
+    loaded = load_object(payload["state.pt"], "here")
+    assert loaded["step"] == 7 and torch.equal(loaded["moments"][0], weights * 2)
+    assert torch.equal(loaded["moments"][1], (weights * 3)[10:20])
+    assert loaded["moments"][1].untyped_storage().nbytes() == 4096 * 4  # still a view of its whole storage
+    ranges = mapped_ranges(path)
+    assert ranges, "the object is mapped"
+    for tensor in loaded["moments"]:
+        address = tensor.untyped_storage().data_ptr()
+        assert not any(start <= address < end for start, end in ranges), "a loaded tensor still lies in the file"
+
+
+def test_a_mapped_object_loads_the_bytes_that_were_verified_even_if_its_path_changes(tmp_path):
+    # Between the checksum and torch.load the path may be pruned (unlinked) or, in principle, replaced: what loads
+    # is the open file the checksum read, never whatever the path names by then.
+    torch = pytest.importorskip("torch")
+    from elastictrain.snapshot.format import load_object, writer_for
+
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    manifest = store.commit(3, {"state.pt": writer_for({"x": torch.ones(8)})}, meta={})
+    _, payload = store.read_verified(manifest.snapshot_id)
+    path = object_path(store, 3, "state.pt")
+    other = tmp_path / "other.pt"
+    with open(other, "wb") as handle:
+        writer_for({"x": torch.zeros(8)})(handle)
+    os.replace(other, path)  # a new file under the old name
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(8))
+    os.unlink(path)
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(8))

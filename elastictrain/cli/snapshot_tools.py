@@ -16,6 +16,7 @@ from typing import Any
 from elastictrain.core.errors import ElastictrainError, SnapshotError, StorageError, one_line
 from elastictrain.observe.plots import attempt_markers, write_plots
 from elastictrain.storage.manifest import MANIFEST_NAME, Manifest, SnapshotListing
+from elastictrain.storage.mapped import ObjectData
 from elastictrain.storage.snapshot_store import SnapshotStore
 
 
@@ -139,7 +140,7 @@ def verify_document(store: SnapshotStore, listings: list[SnapshotListing]) -> di
 
 def select(
     store: SnapshotStore, listings: list[SnapshotListing], step: int | None
-) -> tuple[Manifest, dict[str, bytes]]:
+) -> tuple[Manifest, dict[str, ObjectData]]:
     """The verified snapshot at `step`, or the newest that verifies; SnapshotError if there is none."""
     if step is None:
         try:
@@ -161,7 +162,7 @@ def select(
         raise SnapshotError(f"{exc}; pick another with --step, or none for the newest valid") from None
 
 
-def _load(payload: dict[str, bytes], role: str, where: str) -> Any:
+def _load(payload: dict[str, ObjectData], role: str, where: str) -> Any:
     """Load the snapshot's "model" or "state" object (weights_only); torch is imported only here."""
     from elastictrain.snapshot.format import MODEL_OBJECT, STATE_OBJECT, load_object
 
@@ -171,7 +172,7 @@ def _load(payload: dict[str, bytes], role: str, where: str) -> Any:
     return load_object(payload[name], where)
 
 
-def _weights(store: SnapshotStore, manifest: Manifest, payload: dict[str, bytes], where: str) -> Any:
+def _weights(store: SnapshotStore, manifest: Manifest, payload: dict[str, ObjectData], where: str) -> Any:
     """The snapshot's whole model state_dict: its model object, or its shards consolidated (dist.strategy=fsdp)."""
     if not manifest.meta.get("sharded"):
         return _load(payload, "model", where)
@@ -241,7 +242,7 @@ def _model_summary(weights: Any) -> dict[str, Any]:
     }
 
 
-def newest_or_fail(store: SnapshotStore, listings: list[SnapshotListing]) -> tuple[Manifest, dict[str, bytes]]:
+def newest_or_fail(store: SnapshotStore, listings: list[SnapshotListing]) -> tuple[Manifest, dict[str, ObjectData]]:
     """The newest committed snapshot, verified; SnapshotError if it does not verify (no falling back)."""
     committed = [listing for listing in listings if listing.manifest is not None]
     if not committed:

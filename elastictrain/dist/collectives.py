@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from mmap import mmap
 from typing import Any
 
 import torch
@@ -93,7 +94,9 @@ def all_reduce_sum_start(values: torch.Tensor, ctx: DistContext) -> Any:
     return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
 
 
-def broadcast_bytes_from_main(payloads: dict[str, bytes] | None, ctx: DistContext, src: int = 0) -> dict[str, Any]:
+def broadcast_bytes_from_main(
+    payloads: Mapping[str, bytes | memoryview | mmap] | None, ctx: DistContext, src: int = 0
+) -> dict[str, Any]:
     """Rank ``src``'s named byte strings on every rank, each sent as one uint8 tensor.
 
     Pickling bytes through ``broadcast_object_list`` copies them twice on each side: for a

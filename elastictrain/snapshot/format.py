@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from elastictrain.core.errors import SnapshotError
+from elastictrain.storage.mapped import MappedFile, ObjectData
 
 FORMAT_VERSION = 1
 MODEL_OBJECT = "model.pt"
@@ -73,9 +74,25 @@ _UNREADABLE_FILE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyErro
 _ZIP_READER_ERRORS = ("PytorchStreamReader", "inline_container", "hasRecord(")
 
 
-def load_object(data: bytes, where: str, map_location: torch.device | str = "cpu") -> Any:
-    """Unpickle a payload with ``weights_only=True``: tensors and plain containers only, never code."""
+_ZIP_MAGIC = b"PK\x03\x04"  # what a torch.save file (a zip archive) starts with
+
+
+def _copied_out(storage: Any, _location: str) -> Any:  # an UntypedStorage (torch's stub says Storage)
+    """torch.load's ``map_location`` for a mapped file loaded onto the CPU: each storage copied out of the file's
+    pages once, so no tensor handed to a Stateful keeps the file mapped (or pins a pruned tmpfs file in memory)."""
+    return storage.clone()
+
+
+def load_object(data: ObjectData, where: str, map_location: torch.device | str = "cpu") -> Any:
+    """Unpickle a payload with ``weights_only=True``: tensors and plain containers only, never code.
+
+    A ``MappedFile`` (a local store's object, storage/mapped.py) is mapped by ``torch.load`` rather than read:
+    each tensor is allocated and copied once, where bytes cost a read into memory first."""
     try:
+        if isinstance(data, MappedFile) and data[: len(_ZIP_MAGIC)] == _ZIP_MAGIC:
+            on_cpu = torch.device(map_location).type == "cpu"
+            location = _copied_out if on_cpu else map_location
+            return torch.load(data.path, map_location=location, weights_only=True, mmap=True)
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except (*_UNREADABLE_FILE_ERRORS, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not any(mark in str(exc) for mark in _ZIP_READER_ERRORS):

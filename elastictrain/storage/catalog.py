@@ -17,6 +17,7 @@ import time
 from elastictrain.core.errors import SnapshotError
 from elastictrain.storage.hashing import checksum_bytes, mismatch
 from elastictrain.storage.manifest import MANIFEST_NAME, SNAPSHOT_ID, Manifest, SnapshotListing, Verified
+from elastictrain.storage.mapped import MappedFile, ObjectData, map_file
 from elastictrain.storage.store_client import StoreClient
 
 log = logging.getLogger("elastictrain.storage.snapshot_store")
@@ -70,6 +71,15 @@ class Catalog:
         except FileNotFoundError:
             return None
 
+    def _read_payload(self, snapshot_id: str, name: str) -> bytes | MappedFile | None:
+        """One payload object, None if it does not exist: on a local filesystem mapped, not read (mapped.py)."""
+        if not self.client.is_local:
+            return self._read_object(snapshot_id, name)
+        try:
+            return map_file(self.client.fs._strip_protocol(self.client.path(snapshot_id, name)))
+        except FileNotFoundError:
+            return None
+
     def _read_manifest(self, snapshot_id: str) -> Manifest | None:
         """Parse one snapshot's manifest; None if it has none, SnapshotError if it is unusable."""
         data = self._read_object(snapshot_id, MANIFEST_NAME)
@@ -93,10 +103,10 @@ class Catalog:
                 raise SnapshotError(f"{corrupt}: {exc}") from exc
             if manifest is None:
                 raise SnapshotError(f"{corrupt}: it has no {MANIFEST_NAME}")
-            payload = {}
+            payload: dict[str, ObjectData] = {}
             for name, expected in sorted(manifest.objects.items()):
                 started = time.perf_counter()
-                data = self._read_object(snapshot_id, name)
+                data = self._read_payload(snapshot_id, name)
                 read_s += time.perf_counter() - started
                 if data is None:
                     raise SnapshotError(f"{corrupt}: object '{name}' is missing")
@@ -105,6 +115,8 @@ class Catalog:
                 verify_s += time.perf_counter() - started
                 if problem is not None:
                     raise SnapshotError(f"{corrupt}: object '{name}' {problem}")
+                if isinstance(data, MappedFile):
+                    data.forget_pages()
                 payload[name] = data
             log.info(
                 "read snapshot %s: %d bytes in %.3f s, verified (%s) in %.3f s",

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import IO, BinaryIO, cast
 
 from elastictrain.storage.manifest import CHECKSUM, CHECKSUMS, ObjectEntry
+from elastictrain.storage.mapped import ObjectData
 
 _CHUNK = 8 << 20  # bytes read at a time when checksumming a file
 
 
-def checksum_bytes(data: bytes | memoryview, algorithm: str = CHECKSUM) -> ObjectEntry:
+def checksum_bytes(data: ObjectData, algorithm: str = CHECKSUM) -> ObjectEntry:
     """The size and checksum of ``data``."""
     return ObjectEntry(size=memoryview(data).nbytes, algorithm=algorithm, digest=CHECKSUMS[algorithm](data).hexdigest())
 

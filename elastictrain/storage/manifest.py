@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from elastictrain.core.errors import SnapshotError, one_line
+from elastictrain.storage.mapped import ObjectData
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2
@@ -110,10 +111,11 @@ class Manifest:
 
 
 class Verified(NamedTuple):
-    """A snapshot read back whole: its manifest and every object's bytes, each checked against the manifest."""
+    """A snapshot read back whole: its manifest and every object's bytes, each checked against the manifest (a
+    local store's mapped, not read: mapped.py)."""
 
     manifest: Manifest
-    objects: dict[str, bytes]
+    objects: dict[str, ObjectData]
 
 
 @dataclass(frozen=True)
