@@ -569,10 +569,10 @@ def mapped_resident_kb(path):
     return resident
 
 
-def test_a_local_stores_objects_are_mapped_and_load_into_memory_of_their_own(tmp_path):
-    # A local object is mapped, not read into bytes; torch.load maps that same file, and every tensor handed on is
-    # copied out of it (the STATE object's tensors end in the Statefuls: a tensor left in the file's pages would
-    # keep a pruned tmpfs copy in memory, and one cut short under it would fault). Views keep sharing their storage.
+def test_a_local_stores_objects_are_read_once_into_memory_of_their_own_and_loaded_from_it(tmp_path):
+    # A local object is read once into an in-memory file of this process (a memfd) and torch.load maps that: no
+    # tensor lies in the snapshot's file itself (a tensor left in a tmpfs copy's pages would keep a pruned copy
+    # in memory, and one cut short under it would fault). Views keep sharing their storage.
     torch = pytest.importorskip("torch")
     from elastictrain.snapshot.format import load_object, writer_for
     from elastictrain.storage.mapped import MappedFile
@@ -582,37 +582,46 @@ def test_a_local_stores_objects_are_mapped_and_load_into_memory_of_their_own(tmp
     store = SnapshotStore(str(tmp_path / "snapshots"))
     manifest = store.commit(5, {"state.pt": writer_for(state), "empty": write_bytes(b"")}, meta={})
     _, payload = store.read_verified(manifest.snapshot_id)
-    assert isinstance(payload["state.pt"], MappedFile) and payload["empty"] == b""
-    path = object_path(store, 5, "state.pt")
+    mapped = payload["state.pt"]
+    assert isinstance(mapped, MappedFile) and payload["empty"] == b""
     # verified, its pages left the resident set: torch.load's own map would otherwise count them twice in RSS
-    assert mapped_resident_kb(path) == 0
+    assert mapped_resident_kb(mapped.path) == 0
+    path = object_path(store, 5, "state.pt")
     with open(path, "rb") as handle:
-        assert bytes(payload["state.pt"]) == handle.read()
-    loaded = load_object(payload["state.pt"], "here")
+        assert bytes(mapped) == handle.read()
+    loaded = load_object(mapped, "here")
     assert loaded["step"] == 7 and torch.equal(loaded["moments"][0], weights * 2)
     assert torch.equal(loaded["moments"][1], (weights * 3)[10:20])
     assert loaded["moments"][1].untyped_storage().nbytes() == 4096 * 4  # still a view of its whole storage
-    ranges = mapped_ranges(path)
-    assert ranges, "the object is mapped"
+    in_file, in_copy = mapped_ranges(path), mapped_ranges(mapped.path)
     for tensor in loaded["moments"]:
         address = tensor.untyped_storage().data_ptr()
-        assert not any(start <= address < end for start, end in ranges), "a loaded tensor still lies in the file"
+        assert not any(start <= address < end for start, end in in_file), "a loaded tensor lies in the file"
+        assert any(start <= address < end for start, end in in_copy), "a loaded tensor was copied again"
 
 
-def test_a_mapped_object_loads_the_bytes_that_were_verified_even_if_its_path_changes(tmp_path):
-    # Between the checksum and torch.load the path may be pruned (unlinked) or, in principle, replaced: what loads
-    # is the open file the checksum read, never whatever the path names by then.
+def test_what_loads_is_what_was_verified_whatever_happens_to_the_file_after(tmp_path):
+    # Between the checksum and torch.load the file may be written over in place (a bit flip; a recycled copy),
+    # replaced or pruned: what loads is the bytes the checksum read, never the file as it is by then.
     torch = pytest.importorskip("torch")
     from elastictrain.snapshot.format import load_object, writer_for
 
     store = SnapshotStore(str(tmp_path / "snapshots"))
-    manifest = store.commit(3, {"state.pt": writer_for({"x": torch.ones(8)})}, meta={})
+    manifest = store.commit(3, {"state.pt": writer_for({"x": torch.ones(1024)})}, meta={})
     _, payload = store.read_verified(manifest.snapshot_id)
     path = object_path(store, 3, "state.pt")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:  # every byte of the data written over, in place
+        handle.seek(size // 2)
+        handle.write(b"\xff" * 64)
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))
+    with open(path, "r+b") as handle:
+        handle.truncate(100)  # cut short
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))
     other = tmp_path / "other.pt"
     with open(other, "wb") as handle:
-        writer_for({"x": torch.zeros(8)})(handle)
+        writer_for({"x": torch.zeros(1024)})(handle)
     os.replace(other, path)  # a new file under the old name
-    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(8))
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))
     os.unlink(path)
-    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(8))
+    assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))

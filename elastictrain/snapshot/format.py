@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import pickle
 import re
 import threading
@@ -77,22 +78,16 @@ _ZIP_READER_ERRORS = ("PytorchStreamReader", "inline_container", "hasRecord(")
 _ZIP_MAGIC = b"PK\x03\x04"  # what a torch.save file (a zip archive) starts with
 
 
-def _copied_out(storage: Any, _location: str) -> Any:  # an UntypedStorage (torch's stub says Storage)
-    """torch.load's ``map_location`` for a mapped file loaded onto the CPU: each storage copied out of the file's
-    pages once, so no tensor handed to a Stateful keeps the file mapped (or pins a pruned tmpfs file in memory)."""
-    return storage.clone()
-
-
 def load_object(data: ObjectData, where: str, map_location: torch.device | str = "cpu") -> Any:
     """Unpickle a payload with ``weights_only=True``: tensors and plain containers only, never code.
 
-    A ``MappedFile`` (a local store's object, storage/mapped.py) is mapped by ``torch.load`` rather than read:
-    each tensor is allocated and copied once, where bytes cost a read into memory first."""
+    A ``MappedFile`` (a local store's object, read into memory of this process's own: storage/mapped.py) is
+    mapped by ``torch.load``, shared, so its tensors live in that memory as it is, with no copy; written in
+    place (an optimizer's moments) they stay there, where a private map would copy each page on write."""
     try:
         if isinstance(data, MappedFile) and data[: len(_ZIP_MAGIC)] == _ZIP_MAGIC:
-            on_cpu = torch.device(map_location).type == "cpu"
-            location = _copied_out if on_cpu else map_location
-            return torch.load(data.path, map_location=location, weights_only=True, mmap=True)
+            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                return torch.load(data.path, map_location=map_location, weights_only=True, mmap=True)
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except (*_UNREADABLE_FILE_ERRORS, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not any(mark in str(exc) for mark in _ZIP_READER_ERRORS):

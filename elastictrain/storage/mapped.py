@@ -1,15 +1,14 @@
-"""A local snapshot object mapped into memory instead of read: no allocation, no copy, until its tensors load.
+"""A local snapshot object read once into memory of this process's own, which ``torch.load`` maps without a copy.
 
 Reading an object into ``bytes`` allocates its size and copies it out of the page cache, and ``torch.load``
 of those bytes allocates and copies every tensor once more: on this machine each costs ~0.5 s per GB, most of
-it the kernel handing out fresh pages. A mapped object is checksummed straight from the page cache (a node's
-fast tier is tmpfs: the file *is* node memory), and ``torch.load(mmap=True)`` maps the same open file again
-through ``/proc/self/fd``, so what loads is the file the checksum read even if its path is renamed or
-unlinked in between (``format.load_object`` then copies each tensor out once).
+it the kernel handing out fresh pages. Here the file is read once into an anonymous in-memory file (a
+``memfd``) that only this process holds; the checksum reads that, and ``torch.load(mmap=True)`` maps it through
+``/proc/self/fd`` as the tensors' own memory (``format.load_object``): one allocation and one copy in all.
 
-A file is never written in place while a restore maps it: commits write a fresh prefix or recycle the
-*oldest* committed copy (``commit.py``), a restore reads the newest, and every writer of the run is stopped
-while it restores. A writer cutting a mapped file short would make the next read of its pages a SIGBUS.
+What loads is exactly what was verified: no other process can reach the memfd, so a writer of the snapshot's
+file (a bit flip, a recycled copy written over in place) changes nothing once it is read, and cutting the
+file short cannot fault a map of it. The memory is freed with the last tensor loaded from it.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ _FD_LINKS = "/proc/self/fd"  # Linux: a path that opens an already open file aga
 
 
 class MappedFile(mmap.mmap):
-    """A read-only map of a whole file, holding the file open; ``path`` opens that very file again."""
+    """A read-only map of a whole in-memory copy of a file, holding it open; ``path`` opens that copy again."""
 
     path: str
-    _fd: int = -1  # open as long as the map lives: ``path`` names it
+    _fd: int = -1  # the memfd, open as long as the map lives: ``path`` names it
 
     def __eq__(self, other: object) -> bool:
         """Equal to any bytes-like object of the same contents, as the ``bytes`` a remote store returns would be."""
@@ -37,9 +36,9 @@ class MappedFile(mmap.mmap):
     __hash__ = None  # type: ignore[assignment]  # as a bytearray's: equal by contents, never a key
 
     def forget_pages(self) -> None:
-        """Take the pages read so far out of this process's resident set; they stay in the page cache (tmpfs: in
-        the file itself), and a later read maps them again. Once verified, an object is loaded through ``path``
-        by torch.load's own map: resident in both maps it would count twice in RSS, though no memory is new."""
+        """Take this map's pages out of the process's resident set; they stay in the memfd, and a later read maps
+        them again. Once verified, an object is loaded through ``path`` by torch.load's own map: resident in both
+        maps it would count twice in RSS, though no memory is new."""
         if hasattr(mmap, "MADV_DONTNEED"):
             self.madvise(mmap.MADV_DONTNEED)
 
@@ -60,18 +59,23 @@ ObjectData = bytes | memoryview | MappedFile  # an object's contents as a store 
 
 
 def map_file(path: str) -> MappedFile | bytes:
-    """``path``'s contents as a ``MappedFile``; ``bytes`` read as usual where no map can be made (an empty file,
-    a system without ``/proc/self/fd``). FileNotFoundError and other OSErrors pass through."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if not os.path.isdir(_FD_LINKS) or os.fstat(fd).st_size == 0:
-            with os.fdopen(fd, "rb") as handle:
-                fd = -1  # the handle closes it
-                return handle.read()
-        mapped = MappedFile(fd, 0, access=mmap.ACCESS_READ)
-    except BaseException:
-        if fd >= 0:
+    """``path``'s contents as a ``MappedFile``; ``bytes`` read as usual where none can be made (an empty file, a
+    system without ``memfd_create`` or ``/proc/self/fd``). FileNotFoundError and other OSErrors pass through. A file
+    cut short while it is read leaves zeros at its end, which its checksum refuses."""
+    with open(path, "rb", buffering=0) as source:
+        size = os.fstat(source.fileno()).st_size
+        if size == 0 or not hasattr(os, "memfd_create") or not os.path.isdir(_FD_LINKS):
+            return source.readall()
+        fd = os.memfd_create(f"elastictrain:{os.path.basename(path)}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size) as target, memoryview(target) as view:
+                done = 0
+                while done < size and (count := source.readinto(view[done:])):
+                    done += count
+            mapped = MappedFile(fd, size, access=mmap.ACCESS_READ)
+        except BaseException:
             os.close(fd)
-        raise
+            raise
     mapped._fd, mapped.path = fd, f"{_FD_LINKS}/{fd}"
     return mapped
