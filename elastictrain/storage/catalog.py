@@ -72,7 +72,8 @@ class Catalog:
             return None
 
     def _read_payload(self, snapshot_id: str, name: str) -> bytes | MappedFile | None:
-        """One payload object, None if it does not exist: on a local filesystem mapped, not read (mapped.py)."""
+        """One payload object, None if it does not exist: on a local filesystem read once into memory of this process's
+        own that torch.load maps (mapped.py)."""
         if not self.client.is_local:
             return self._read_object(snapshot_id, name)
         try:

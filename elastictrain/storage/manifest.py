@@ -112,7 +112,7 @@ class Manifest:
 
 class Verified(NamedTuple):
     """A snapshot read back whole: its manifest and every object's bytes, each checked against the manifest (a
-    local store's mapped, not read: mapped.py)."""
+    local store's as ``MappedFile``: mapped.py)."""
 
     manifest: Manifest
     objects: dict[str, ObjectData]
