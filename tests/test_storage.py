@@ -625,3 +625,23 @@ def test_what_loads_is_what_was_verified_whatever_happens_to_the_file_after(tmp_
     assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))
     os.unlink(path)
     assert torch.equal(load_object(payload["state.pt"], "here")["x"], torch.ones(1024))
+
+
+def test_a_local_objects_read_is_retried_while_the_filesystem_does_not_answer(tmp_path, monkeypatch):
+    # A local store's objects are read into memory by mapped.py, through the store's one retry path: a network
+    # filesystem timing out (ETIMEDOUT) is retried until it answers, as every other store call is.
+    from elastictrain.storage import catalog
+
+    store = SnapshotStore(str(tmp_path / "snapshots"), retry_for_s=5.0)
+    manifest = commit_small(store, 4)
+    real, failures = catalog.map_file, []
+
+    def flaky(path):
+        if len(failures) < 2:
+            failures.append(path)
+            raise OSError(errno.ETIMEDOUT, "timed out", path)
+        return real(path)
+
+    monkeypatch.setattr(catalog, "map_file", flaky)
+    assert store.read_verified(manifest.snapshot_id)[1] == {"model": b"model at step 4"}
+    assert len(failures) == 2

@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -201,14 +201,17 @@ class StoreClient:
             f"(now {self.url})"
         )
 
-    def attempt(self, method: str, *args: Any, limit_s: float | None, **kwargs: Any) -> Any:
-        """One call of an fsspec method; on an async filesystem, cancelled after limit_s seconds."""
+    def attempt(self, method: str | Callable[..., Any], *args: Any, limit_s: float | None, **kwargs: Any) -> Any:
+        """One call of an fsspec method (or of a function reading a local path); on an async filesystem, cancelled
+        after limit_s seconds."""
+        if callable(method):
+            return method(*args, **kwargs)
         if self.is_async:
             coroutine_function = getattr(self.fs, "_" + method)
             return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=limit_s, **kwargs)
         return getattr(self.fs, method)(*args, **kwargs)
 
-    def call(self, method: str, *args: Any, upload_bytes: int = 0, **kwargs: Any) -> Any:
+    def call(self, method: str | Callable[..., Any], *args: Any, upload_bytes: int = 0, **kwargs: Any) -> Any:
         """A store call, retried with backoff while the store does not answer, until this operation's deadline."""
         deadline = getattr(self._operation_state, "deadline", None) or time.monotonic() + self.retry_for_s
         limit_s = None
@@ -223,7 +226,7 @@ class StoreClient:
             wait=lambda retry_state: max(0.0, min(backoff(retry_state), deadline - time.monotonic())),
             before_sleep=lambda retry_state: log.debug(
                 "%s on %s did not answer (attempt %d: %s); retrying",
-                method,
+                getattr(method, "__name__", method),
                 self.url,
                 retry_state.attempt_number,
                 self.scrub(_failed_attempt(retry_state)),
