@@ -77,7 +77,7 @@ class Catalog:
         if not self.client.is_local:
             return self._read_object(snapshot_id, name)
         try:
-            return self.client.call(map_file, self.client.fs._strip_protocol(self.client.path(snapshot_id, name)))
+            return self.client.call(map_file, self.client.path(snapshot_id, name))  # a plain path, as commit.py's
         except FileNotFoundError:
             return None
 

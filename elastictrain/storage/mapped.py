@@ -13,9 +13,9 @@ file short cannot fault a map of it. The memory is freed with the last tensor lo
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
+import shutil
 
 _FD_LINKS = "/proc/self/fd"  # Linux: a path that opens an already open file again
 
@@ -61,40 +61,23 @@ ObjectData = bytes | memoryview | MappedFile  # an object's contents as a store 
 
 def map_file(path: str) -> MappedFile | bytes:
     """``path``'s contents as a ``MappedFile``; ``bytes`` read as usual where none can be made (an empty file, a
-    system without ``memfd_create``, ``/proc/self/fd`` or ``sendfile`` into a memfd). FileNotFoundError and other
-    OSErrors pass through. A file cut short while it is copied makes a copy of another size, which the manifest
-    refuses."""
-    with open(path, "rb", buffering=0) as source:
-        size = os.fstat(source.fileno()).st_size
-        if size == 0 or not hasattr(os, "memfd_create") or not os.path.isdir(_FD_LINKS):
-            return source.readall()
-        fd = os.memfd_create(f"elastictrain:{os.path.basename(path)}", os.MFD_CLOEXEC)
-        try:
-            copied = _send(source.fileno(), fd, size)
-            mapped = MappedFile(fd, copied, access=mmap.ACCESS_READ) if copied else None
-        except BaseException:
-            os.close(fd)
-            raise
-        if mapped is None:
-            os.close(fd)
-            return b"" if copied == 0 else source.readall()
+    system without ``memfd_create`` or ``/proc/self/fd``). FileNotFoundError and other OSErrors pass through. A
+    file cut short or grown while it is copied makes a copy of another size, which the manifest refuses."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir(_FD_LINKS):
+        with open(path, "rb") as source:
+            return source.read()
+    fd = os.memfd_create(f"elastictrain:{os.path.basename(path)}", os.MFD_CLOEXEC)
+    try:
+        # shutil copies with sendfile where the kernel can (here 0.56 s a GB, against 0.88-0.92 s reading into a
+        # map of the memfd, whose every page is faulted in), and falls back to reads and writes elsewhere
+        shutil.copyfile(path, f"{_FD_LINKS}/{fd}")
+        size = os.fstat(fd).st_size
+        mapped = MappedFile(fd, size, access=mmap.ACCESS_READ) if size else None
+    except BaseException:
+        os.close(fd)
+        raise
+    if mapped is None:  # an empty file: nothing to map
+        os.close(fd)
+        return b""
     mapped._fd, mapped.path = fd, f"{_FD_LINKS}/{fd}"
     return mapped
-
-
-def _send(source: int, target: int, size: int) -> int | None:
-    """Bytes the kernel copied from ``source`` into ``target`` (``sendfile``: ~40 % faster here than reading into a
-    map of the memfd, whose every page would be faulted in); fewer where the file was cut short meanwhile, None
-    where ``sendfile`` cannot write into a memfd."""
-    done = 0
-    while done < size:
-        try:
-            sent = os.sendfile(target, source, done, size - done)
-        except OSError as exc:
-            if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and not done:
-                return None
-            raise
-        if not sent:
-            break
-        done += sent
-    return done
