@@ -222,7 +222,12 @@ class SilentPeers:
 def loop_position(thread_id: int | None) -> tuple[str, bool]:
     """Innermost frame of the loop thread as "module:line in function", and whether it waits for peers."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    if frame is None:
-        return "unknown", False
-    module = frame.f_globals.get("__name__", "?")
-    return f"{module}:{frame.f_lineno} in {frame.f_code.co_name}", module.startswith(_WAITING_MODULES)
+    try:
+        if frame is None:
+            return "unknown", False
+        module = frame.f_globals.get("__name__", "?")
+        return f"{module}:{frame.f_lineno} in {frame.f_code.co_name}", module.startswith(_WAITING_MODULES)
+    finally:
+        # Asked from the loop thread itself, ``frame`` is this call's own frame: kept in its own local, it would be a
+        # cycle holding every caller's frame and locals (a restore's loaded state) until a full collection.
+        del frame

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -233,7 +234,14 @@ class StoreClient:
             ),
             reraise=True,
         )
-        return retrying(self.attempt, method, *args, limit_s=limit_s, **kwargs)
+        try:
+            return retrying(self.attempt, method, *args, limit_s=limit_s, **kwargs)
+        except BaseException as exc:
+            # The error's traceback holds tenacity's frame, which holds the attempt's outcome, which holds the error: a
+            # cycle that kept every caller's frame and locals (a restore's loaded state) alive until a full
+            # collection. The frames' locals go; the traceback still prints every line.
+            traceback.clear_frames(exc.__traceback__)
+            raise
 
     def check_bucket(self) -> None:
         """S3 only: StorageError naming the bucket if it does not exist (s3fs would create it, SeaweedFS accepts PUTs)."""

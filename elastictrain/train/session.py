@@ -29,6 +29,7 @@ from elastictrain.core.config import Config
 from elastictrain.core.config_load import load_config
 from elastictrain.core.config_view import ConfigView
 from elastictrain.core.events import Observer, Observers
+from elastictrain.core.heap import SetupHeap
 from elastictrain.core.states import State, StateMachine
 from elastictrain.data.train_data import Loader
 from elastictrain.dist.collectives import any_rank
@@ -75,6 +76,7 @@ class Session(SessionCollectives):
         self._epoch_end: list[Callable[[], None]] = []
         self._restoring: RestorePhase | None = None
         self._driver: StepDriver | None = None  # TRAIN and after: built at RESTORE's end
+        self._heap = SetupHeap()  # start-up's objects out of the collector's full passes while training
         self._started, self._started_unix = time.monotonic(), time.time()
         self._machine.on(dst=State.DONE)(lambda *edge: self._steps.summarize(*edge))
         self._machine.on(dst=State.PREEMPTED)(lambda *edge: self._steps.preempted(*edge))
@@ -183,6 +185,7 @@ class Session(SessionCollectives):
         )
         self._driver = StepDriver(restored, self._setting_up, self._evaluate, self._epoch_end, self._started)
         self._driver.run(self._driver.settled_state())
+        self._heap.freeze()
 
     def registered(self, name: str) -> Any:
         """What is registered under ``name`` (after restore: a scheduler built from a factory)."""
@@ -255,6 +258,7 @@ class Session(SessionCollectives):
             )
         finally:
             self._calls.left = True  # what the loop calls from now on is a UsageError (call_order.py)
+            self._heap.release()
         if replacement is not None:
             raise replacement from None
         return False
