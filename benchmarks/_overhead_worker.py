@@ -12,6 +12,7 @@ vote, metric sums, the preemption check).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -66,6 +67,16 @@ def main() -> None:
     snapshots: list[tuple[str, int]] = []  # (tier, step) of each committed snapshot, rank 0's record
 
     cpu: list[float] = []  # this process's CPU seconds (every thread) at each stamp
+    full_collections: list[tuple[float, float]] = []  # (start, seconds) of each of the collector's full passes
+    started: list[float] = [0.0]
+
+    def collector(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            full_collections.append((started[0], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(collector)
 
     def loss_fn(module, batch):
         stamps.append(time.perf_counter())
@@ -130,7 +141,10 @@ def main() -> None:
             json.dump({"step_s": span / (len(stamps) - 1 - args.warmup), "steps": len(stamps),
                        "median_step_s": steps[len(steps) // 2],
                        "cpu_step_s": (cpu[-1] - cpu[args.warmup]) / (len(cpu) - 1 - args.warmup),
-                       "snapshots_timed": {tier: timed.count(tier) for tier in sorted(set(timed))}}, out)
+                       "snapshots_timed": {tier: timed.count(tier) for tier in sorted(set(timed))},
+                       # the collector's full passes in the span timed: (count, seconds in them)
+                       "full_collections": [sum(1 for at, _ in full_collections if at > stamps[args.warmup]),
+                                            sum(s for at, s in full_collections if at > stamps[args.warmup])]}, out)
 
 
 if __name__ == "__main__":

@@ -128,15 +128,20 @@ def main() -> None:
         for model in args.models.split(","):
             n = args.steps or (200 if model == "wide" else 600)
             times, snapshots = {mode: [] for mode in modes}, {mode: [] for mode in modes}
+            collections = {mode: [] for mode in modes}  # rank 0's full garbage collections in the span timed
             medians, cpus = {mode: [] for mode in modes}, {mode: [] for mode in modes}  # rank 0's median step, CPU s
             for repeat in range(args.repeats):
-                order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]  # rotate the order
+                # Rotate the order, and reverse it every other round: each mode runs in each place and after
+                # different modes (rotated only, a mode always follows the same one, or begins the round).
+                order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
+                order = order[::-1] if repeat % 2 else order
                 for mode in order:
                     job = run_once(mode.removesuffix("@before"), model, n, workdir, pathlib.Path(fast), roots[mode])
                     times[mode].append(job["step_s"])
                     medians[mode].append(job["median_step_s"])
                     cpus[mode].append(job["cpu_step_s"])
                     snapshots[mode].append(job.get("snapshots_timed", {}))
+                    collections[mode].append(job.get("full_collections"))
                 loads.append(load())
             results[model] = {f"{mode}_step_ms": [t * 1e3 for t in times[mode]] for mode in modes}
             # Beside the mean: the median step (the per-step cost, without the periodic work and the machine's
@@ -146,6 +151,7 @@ def main() -> None:
                 results[model].update({f"{mode}_{name}_median_ratio": statistics.median(
                     a / b for a, b in zip(values[mode], values["hand"], strict=True)) for mode in modes[1:]})
             results[model].update({f"{mode}_snapshots_timed": snapshots[mode] for mode in modes if any(snapshots[mode])})
+            results[model].update({f"{mode}_full_collections": collections[mode] for mode in modes})
             for mode in modes[1:]:
                 ratios = [e / h for e, h in zip(times[mode], times["hand"], strict=True)]
                 results[model][f"{mode}_ratios"] = ratios
@@ -169,6 +175,9 @@ def main() -> None:
             if mode != "hand":
                 print(f"  {mode}: median step / hand's {r[mode + '_median_step_median_ratio']:.3f}, "
                       f"CPU a step / hand's {r[mode + '_cpu_step_median_ratio']:.3f} (medians of paired)")
+            if any(r.get(mode + "_full_collections", [])):
+                print(f"  {mode}: the collector's full passes in each job's span timed (count, seconds): "
+                      f"{[tuple(c) if c else None for c in r[mode + '_full_collections']]}")
             if mode + "_snapshots_timed" in r:
                 print(f"  {mode}: snapshots committed in each job's span timed: {r[mode + '_snapshots_timed']}")
     pathlib.Path(args.out).write_text(json.dumps({

@@ -1,5 +1,5 @@
 """The garbage collector while a run trains: start-up's heap frozen (core/heap.py), and a restore that leaves no
-reference cycle behind it to be frozen with it (its loaded state would live as long as the process).
+reference cycle behind it to be frozen with it (what its frames held would live as long as the process).
 
 One process, no launcher: ``with Session(...)`` on a memory:// store, tiny data.
 """
@@ -93,7 +93,7 @@ def test_a_process_that_manages_its_collector_is_left_alone(tmp_path, collector,
 
 def test_a_restore_leaves_no_reference_cycle_that_holds_frames_or_tensors(tmp_path, collector):
     """A resumed run's restore (the store's calls, the watchdog's heartbeats) makes no cyclic garbage that holds a
-    frame or a tensor: frozen with start-up's heap, a frame's locals (the loaded state) would never be freed."""
+    frame or a tensor: frozen with start-up's heap, a frame's locals would never be freed."""
     cfg = config(tmp_path, f"memory://heap/{uuid.uuid4().hex}")
     train(cfg)  # the snapshots to resume from
 

@@ -11,7 +11,7 @@ start-up heap lives as long as it does; the pass then visits only what training 
 
 What the freeze keeps: garbage in a reference cycle at the moment of the freeze is never
 collected while frozen, so the restore leaves none behind it (its store calls and the loop
-position the watchdog reads used to: the loaded state lived on in their frames). ``release``
+position the watchdog reads used to: every caller's frame, and its locals, lived on). ``release``
 (the session's end) gives every frozen object back to the collector.
 
 A process that manages its collector itself (``gc.disable()``, or a ``gc.freeze()`` of its own

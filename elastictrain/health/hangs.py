@@ -229,5 +229,5 @@ def loop_position(thread_id: int | None) -> tuple[str, bool]:
         return f"{module}:{frame.f_lineno} in {frame.f_code.co_name}", module.startswith(_WAITING_MODULES)
     finally:
         # Asked from the loop thread itself, ``frame`` is this call's own frame: kept in its own local, it would be a
-        # cycle holding every caller's frame and locals (a restore's loaded state) until a full collection.
+        # cycle holding every caller's frame and its locals until a full collection (for ever, once frozen: heap.py).
         del frame

@@ -238,8 +238,8 @@ class StoreClient:
             return retrying(self.attempt, method, *args, limit_s=limit_s, **kwargs)
         except BaseException as exc:
             # The error's traceback holds tenacity's frame, which holds the attempt's outcome, which holds the error: a
-            # cycle that kept every caller's frame and locals (a restore's loaded state) alive until a full
-            # collection. The frames' locals go; the traceback still prints every line.
+            # cycle that kept every caller's frame and its locals alive until a full collection. The frames' locals go;
+            # the traceback still prints every line.
             traceback.clear_frames(exc.__traceback__)
             raise
 
