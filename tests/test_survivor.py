@@ -98,7 +98,11 @@ def test_a_ranks_sums_read_each_value_once_and_round_trip_into_the_same_reduce()
     restored = WeightedSums(CPU)
     restored.load_state_dict(state)
     single = DistContext(LaunchEnv("none"), False, CPU, None, 60.0)
-    assert restored.reduce(single) == sums.reduce(single)  # bitwise: the same float64 sums of the same values
+    means, _ = restored.reduce(single)
+    assert (means, []) == sums.reduce(single)  # bitwise: the same float64 sums of the same values
+    # in float64 throughout: neither the python float nor the float32 loss is rounded to float32 on the way
+    assert means["acc"] == pytest.approx((4 * 0.123456789 + 2 * 0.25) / 6, rel=1e-15, abs=0)
+    assert means["loss"] == pytest.approx((4 * 1.0 + 2 * float(torch.tensor(0.1))) / 6, rel=1e-15, abs=0)
     assert sums.state_dict() == {"names": ["acc", "loss"], "values": [], "samples": []} and sums.steps == 0
     assert WeightedSums(torch.device("meta")).peek() is None  # off the CPU a read at every step would wait for the device
 

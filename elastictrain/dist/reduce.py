@@ -16,7 +16,7 @@ class WeightedSums:
     """Sample-weighted sums of the losses and metrics of the steps since the last reduce.
 
     ``add`` only keeps each step's values (detached, left where they are: no sync, no arithmetic
-    per step); ``reduce`` stacks them once, weights them by their sample counts in float64, and
+    per step); ``reduce`` puts them in one float64 tensor, weights them by their sample counts, and
     sends the sums, the sample count and any extra numbers in ONE all_reduce, so whatever rides
     along (each rank's step time) costs no extra collective. Every rank must add the same metric
     names in every step: a rank's names are fixed by its first step (``add`` checks each step's
@@ -93,10 +93,15 @@ class WeightedSums:
         names = self.names or []
         if self._samples:
             # Each value in float64 on its own: a python float is not rounded to the default dtype first (a restored
-            # value is a python float, and must reduce to what the tensor it was read from does).
-            values = torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self._values]
-            )
+            # value is a python float, and must reduce to what the tensor it was read from does). On the CPU a
+            # value is read as a python float (exact), once: a survivor mark may have read it already.
+            if self.device.type == "cpu":
+                self._floats.extend(float(value) for value in self._values[len(self._floats) :])
+                values = torch.tensor(self._floats, dtype=torch.float64)
+            else:
+                values = torch.stack(
+                    [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self._values]
+                )
             per_step = values.reshape(len(self._samples), len(names))
             weights = torch.tensor(self._samples, dtype=torch.float64, device=self.device)
             sums = weights @ per_step
