@@ -12,7 +12,8 @@ finalization, which with torch loaded took about 1 s here while torchrun waited 
 
 Every other end of the program (``cli.run``: the console script and ``python -m elastictrain``) skips
 the interpreter's finalization too, after doing what of it matters: the program's non-daemon threads
-joined, the atexit handlers run, the streams flushed (``benchmarks/exit_time.py`` measures it).
+joined, the atexit handlers run, the streams flushed (``benchmarks/exit_time.py`` measures it), a bug
+its session logged with its traceback included; only a bug no session saw leaves the normal way.
 """
 
 from __future__ import annotations
@@ -141,12 +142,21 @@ PROGRAM = textwrap.dedent('''
             raise SystemExit(143)
         if ending == "bug":
             raise KeyError("a bug")
+        if ending == "bug in a session":  # its session logs the traceback as the rank's failure (failures.py)
+            from elastictrain.train.session import Session
+
+            config = {"run": {"dir": directory + "/run"}, "log": {"progress_bar": False, "plots": False}}
+            with Session(config):
+                raise KeyError("a bug in the loop")
         return 0
 
     cli._train = train
     atexit.register(lambda: open(directory + "/atexit", "w").write("ran"))
     sys.argv = ["elastictrain", "train"]
-    cli.run()
+    try:
+        cli.run()
+    finally:  # an exception that left run(): the interpreter's own way out, its finalization after
+        open(directory + "/unwound", "w").write("ran")
 ''')
 
 
@@ -160,6 +170,7 @@ def test_the_program_ends_without_finalization_after_joining_threads_and_running
     assert (tmp_path / "thread").read_text() == "joined", "a non-daemon thread is waited for, as the interpreter does"
     assert (tmp_path / "atexit").read_text() == "ran", "the atexit handlers run, as at the interpreter's finalization"
     assert not (tmp_path / "module-teardown").exists(), "the interpreter's module teardown was skipped"
+    assert not (tmp_path / "unwound").exists(), "the process ended inside run()"
 
 
 @pytest.mark.slow
@@ -168,6 +179,18 @@ def test_a_bug_leaves_the_program_the_normal_way_with_its_traceback(tmp_path):
                           env=job_env(), cwd=REPO_ROOT, timeout=60)
     assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError: 'a bug'" in done.stderr
     assert (tmp_path / "atexit").exists() and (tmp_path / "module-teardown").exists()
+    assert (tmp_path / "unwound").exists()
+
+
+@pytest.mark.slow
+def test_a_bug_its_session_logged_ends_the_program_without_finalization_traceback_said_once(tmp_path):
+    done = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path), "bug in a session"], capture_output=True,
+                          text=True, env=job_env(), cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.count("Traceback") == 1 and done.stderr.count("KeyError: 'a bug in the loop'") == 1
+    assert "failed in state" in done.stderr  # the session's line, above its traceback
+    assert (tmp_path / "thread").read_text() == "joined" and (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "unwound").exists(), "the process ended inside run(), before the interpreter's finalization"
 
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import yaml
 
 from elastictrain.core.config_load import load_config
-from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line
+from elastictrain.core.errors import ConfigError, ElastictrainError, PeerLost, one_line, was_logged
 from elastictrain.core.excepthook import say_user_error
 from elastictrain.core.fatal import marker_path
 from elastictrain.core.logs import flush_standard_streams
@@ -47,15 +47,21 @@ def run() -> NoReturn:
     With torch loaded, tearing the interpreter's modules down takes about a second on two cores; every worker pays it
     at every exit, and torchrun waits for its slowest worker before it restarts the group or ends the job. What that
     finalization does that matters is done first: the program's other non-daemon threads are joined and the atexit
-    handlers (a library's or the task's) run, then logging and the standard streams are flushed. Any exception but
-    SystemExit is a bug: it leaves the normal way, with its traceback. ``main()`` itself never ends the process, so
-    tests and scripts call it in-process.
+    handlers (a library's or the task's) run, then logging and the standard streams are flushed. A bug its session
+    has logged, traceback and all (``failures.py``), ends so too, with 1, as Python ends after a traceback: a peer
+    waiting in a collective learns of it when this process is gone. Any other exception but SystemExit is a bug no
+    session saw: it leaves the normal way, with its traceback. ``main()`` itself never ends the process, so tests and
+    scripts call it in-process.
     """
     code: int | str | None
     try:
         code = main()
     except SystemExit as exc:  # fit()'s Preempted (143); argparse's usage error (2, already printed)
         code = exc.code
+    except Exception as exc:
+        if not was_logged(exc):
+            raise
+        code = 1
     if code is None:
         code = 0
     elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
