@@ -34,6 +34,11 @@ tier's directory is removed after each trial). Modes alternate within each trial
 interpreters at once (as torchrun starts two workers) that import torch alone, and
 ``elastictrain.train.trainer`` (what ``python -m elastictrain train`` imports before it builds anything).
 
+``default job + warm start + a rank raises`` has no kill: rank 1's ``loss_fn`` raises at step 110 of the first
+attempt (``_timed_task.spirals_raising``), and the clock starts at its line before the raise. ``--burners N`` runs
+N CPU-bound processes beside every job (a loaded machine), started a minute before the first trial so that
+the load average has caught up; each trial records the load average at its start and end.
+
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --trials 5
 """
 
@@ -90,6 +95,13 @@ JOBS["~200 MB state + fast tier + warm start"] = {**JOBS["~200 MB state + fast t
 # The default job with both trackers on (TensorBoard, and MLflow on a real `mlflow server` on 127.0.0.1 this
 # benchmark starts): the trackers open on a thread of their own, off the restart's path.
 JOBS["default job + trackers"] = {**JOBS["default job"], "trackers": True, "modes": ("elastictrain",)}
+# A rank that raises instead of being killed: rank 1's loss_fn raises at step 110 of the first attempt
+# (benchmarks/_timed_task.py: spirals_raising); the clock starts at its "raising" line.
+JOBS["default job + warm start + a rank raises"] = {
+    **JOBS["default job + warm start"],
+    "elastictrain": ["task.factory=benchmarks._timed_task:spirals_raising", *JOBS["default job"]["elastictrain"][1:]],
+    "env": {"TIMED_TASK_RAISE_AT": "110"}, "raises": True,
+}
 MLFLOW_URI = ""  # main() starts a server when a job has trackers
 MODES = ("elastictrain", "textbook")
 PHASES = ("detect", "stop", "rendezvous", "start", "build", "init", "wrap", "read", "load", "first_step")
@@ -159,18 +171,23 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
     job = JOBS[job_name]
     workdir.mkdir(parents=True)
     launched = procs.launch(command(mode, job, workdir), log_path=workdir / "job.log",
-                            env={"PYTHONPATH": str(REPO_ROOT), "LOGLEVEL": "INFO"}, cwd=REPO_ROOT)
+                            env={"PYTHONPATH": str(REPO_ROOT), "LOGLEVEL": "INFO", **job.get("env", {})}, cwd=REPO_ROOT)
     before, after = step_pattern(mode, 0), step_pattern(mode, 1)
     saved = (re.compile(rf"snapshot \S+/step-0*{job['snapshot_step']} committed") if mode == "elastictrain"
              else re.compile(rf"^textbook rank 0 restart 0 t=[\d.]+ saved {job['snapshot_step']}$", re.MULTILINE))
-    result = {"job": job_name, "mode": mode, "outcome": "recovered"}
+    result = {"job": job_name, "mode": mode, "outcome": "recovered", "load_at_start": os.getloadavg()[0]}
     try:
-        launched.wait_for(lambda out: saved.search(out) is not None
-                          and any(int(step) >= job["kill_at_step"] for step in before.findall(out)),
-                          START_TIMEOUT_S, f"step {job['kill_at_step']} after the first snapshot")
-        victim = worker_pid(launched.output(), rank=1, restart=0)
-        os.kill(victim, signal.SIGKILL)
-        killed_unix = time.time()
+        if job.get("raises"):
+            raised = re.compile(r"^timed-task rank 1 restart 0 t=([\d.]+) raising$", re.MULTILINE)
+            launched.wait_for(lambda out: raised.search(out) is not None, START_TIMEOUT_S, "rank 1's raise")
+            killed_unix = float(raised.search(launched.output()).group(1))
+        else:
+            launched.wait_for(lambda out: saved.search(out) is not None
+                              and any(int(step) >= job["kill_at_step"] for step in before.findall(out)),
+                              START_TIMEOUT_S, f"step {job['kill_at_step']} after the first snapshot")
+            victim = worker_pid(launched.output(), rank=1, restart=0)
+            os.kill(victim, signal.SIGKILL)
+            killed_unix = time.time()
         try:
             launched.wait_for(lambda out: after.search(out) is not None, RECOVERY_TIMEOUT_S, "the first step after the restart")
             new_rank0 = worker_pid(launched.output(), rank=0, restart=1)
@@ -179,6 +196,7 @@ def trial(job_name: str, mode: str, workdir: pathlib.Path) -> dict:
             result["outcome"] = "failed"
             result["error"] = str(exc).splitlines()[0]
     finally:
+        result["load_at_end"] = os.getloadavg()[0]
         procs.kill_all_launched()
         shutil.rmtree(fast_tier_dir(workdir), ignore_errors=True)  # the job was killed: no DONE cleaned it
     output = launched.output()
@@ -308,23 +326,8 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def run_trials(args: argparse.Namespace, jobs: list[str]) -> list[dict]:
     global MLFLOW_URI
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma separated: " + ", ".join(MODES))
-    parser.add_argument("--import-repeats", type=int, default=6)
-    parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "recovery.json")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an elastictrain override for every elastictrain job, repeatable (e.g. dist.device=cuda:0)")
-    args = parser.parse_args()
-    OVERRIDES[:] = args.override
-    jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]
-    unknown = sorted(set(jobs) - set(JOBS))
-    if unknown:
-        parser.error(f"--jobs: unknown {', '.join(unknown)}")
-    started_at, started = time.time(), time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         server = None
@@ -345,7 +348,37 @@ def main() -> None:
                           f"{result.get('kill_to_first_step_s')} s {result.get('phases_s')}", file=sys.stderr, flush=True)
         if server is not None:
             server.stop()
-    imports = import_cost(args.import_repeats)
+    return results
+
+
+def main() -> None:
+    global MLFLOW_URI
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma separated: " + ", ".join(MODES))
+    parser.add_argument("--import-repeats", type=int, default=6)
+    parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "recovery.json")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an elastictrain override for every elastictrain job, repeatable (e.g. dist.device=cuda:0)")
+    parser.add_argument("--burners", type=int, default=0, help="CPU-bound processes beside every job (a loaded machine)")
+    args = parser.parse_args()
+    OVERRIDES[:] = args.override
+    jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown:
+        parser.error(f"--jobs: unknown {', '.join(unknown)}")
+    started_at, started = time.time(), time.monotonic()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
+    try:
+        if burners:  # the load average (a minute's) catches up with them before the first trial
+            time.sleep(60)
+        results = run_trials(args, jobs)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    imports = import_cost(args.import_repeats) if args.import_repeats else {}
     summary = summarise(results)
     print(table(summary))
     print(f"imports, two interpreters at once (median of {args.import_repeats}): " + ", ".join(
@@ -354,7 +387,9 @@ def main() -> None:
         "benchmark": "recovery", "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
         "started_unix_s": round(started_at, 1), "total_wall_s": round(time.monotonic() - started, 1),
         "python": platform.python_version(), "cpu_count": os.cpu_count(), "torchrun": TORCHRUN[1:],
-        "jobs": {name: JOBS[name] for name in jobs}, "overrides": OVERRIDES, "summary": summary, "imports": imports, "trials": results,
+        "jobs": {name: JOBS[name] for name in jobs}, "overrides": OVERRIDES, "burners": args.burners,
+        "load_range": [min((r["load_at_start"] for r in results), default=None), max((r["load_at_end"] for r in results), default=None)],
+        "summary": summary, "imports": imports, "trials": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
