@@ -352,7 +352,6 @@ def run_trials(args: argparse.Namespace, jobs: list[str]) -> list[dict]:
 
 
 def main() -> None:
-    global MLFLOW_URI
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--jobs", default=",".join(JOBS), help="comma separated: " + ", ".join(JOBS))
