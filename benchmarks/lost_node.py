@@ -17,7 +17,9 @@ millisecond log lines, each trial splits the time from the kill into:
 - ``total_s``: the kill to the restored world of one.
 
 ``--burners N`` runs N CPU-bound processes beside the job; every trial records the load average at
-the kill.
+the kill. A trial whose first rendezvous round closed before node 1's agent joined it (node 0 then
+trains the whole short job alone, ends, and takes the store with it) measures no lost node: it is
+counted (``missed_first_round``) and run again.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lost_node.py --trials 3 --burners 6 --out benchmarks/results/lost_node_loaded.json
 """
@@ -68,6 +70,10 @@ def line_unix(match: re.Match, near_unix: float) -> float:
     return day.replace(hour=hours, minute=minutes, second=seconds, microsecond=millis * 1000).timestamp()
 
 
+class MissedFirstRound(Exception):
+    """Node 1's agent reached the rendezvous after its first round had closed with node 0 alone."""
+
+
 def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object]) -> dict[str, float]:
     trace_dir = workdir / "trace"
     trace_dir.mkdir(parents=True)
@@ -78,7 +84,12 @@ def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object]) -> dict[str, floa
     try:
         nodes.launch(0, host_store=True)
         nodes.launch(1, host_store=False)
-        procs.wait_for_file(trace_dir / f"paused-rank1-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[1])
+        try:
+            procs.wait_for_file(trace_dir / f"paused-rank1-call{KILL_STEP}.pid", TIMEOUT_S, nodes.agents[1])
+        except AssertionError:
+            if "starting fresh (world size 1)" in nodes.agents[0].output():
+                raise MissedFirstRound() from None
+            raise
         load = os.getloadavg()[0]
         killed_unix = time.time()
         nodes.kill(1)
@@ -109,17 +120,25 @@ def main() -> None:
     rdzv_conf = dict(pair.split("=", 1) for pair in args.rdzv_conf.split(","))
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
     try:
-        trials = []
-        for index in range(args.trials):
+        trials, missed = [], 0
+        while len(trials) < args.trials:
             with tempfile.TemporaryDirectory() as scratch:
-                trials.append(trial(pathlib.Path(scratch), rdzv_conf))
-            print(f"trial {index + 1}: {trials[-1]}", flush=True)
+                try:
+                    trials.append(trial(pathlib.Path(scratch), rdzv_conf))
+                except MissedFirstRound:
+                    missed += 1
+                    print("node 1 missed the first round: node 0 trained alone; run again", flush=True)
+                    if missed > 3 * args.trials:
+                        raise
+                    continue
+            print(f"trial {len(trials)}: {trials[-1]}", flush=True)
     finally:
         for burner in burners:
             burner.kill()
             burner.wait()
     summary = {key: statistics.median(t[key] for t in trials) for key in trials[0]}
-    result = {"command": " ".join(sys.argv), "rdzv_conf": rdzv_conf, "trials": trials, "median": summary}
+    result = {"command": " ".join(sys.argv), "rdzv_conf": rdzv_conf, "trials": trials, "missed_first_round": missed,
+              "median": summary}
     print(json.dumps(result["median"]))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
