@@ -30,7 +30,7 @@ class WeightedSums:
         self.names: list[str] | None = None
         self._values: list[Any] = []  # len(names) values per step, step after step
         self._samples: list[int] = []
-        self._floats: list[float] = []  # ``_values`` read so far, as floats (``state_dict`` reads only the new ones)
+        self._floats: list[float] = []  # ``_values`` read so far, as floats (``_read`` reads only the new ones)
         self._agreed = False  # whether every rank's names were found equal to ours
 
     @property
@@ -61,8 +61,12 @@ class WeightedSums:
     def state_dict(self) -> dict[str, Any]:
         """This rank's values since the last reduce; reads only those added since its last call (marks call it at
         every step). Reading a value on an accelerator waits for the device: ``peek`` is the per-step form."""
+        return {"names": self.names, "values": list(self._read()), "samples": list(self._samples)}
+
+    def _read(self) -> list[float]:
+        """Every value since the last reduce as a python float (exact for any float dtype), each read once."""
         self._floats.extend(float(value) for value in self._values[len(self._floats) :])
-        return {"names": self.names, "values": list(self._floats), "samples": list(self._samples)}
+        return self._floats
 
     def peek(self) -> dict[str, Any] | None:
         """``state_dict`` where reading is free (the CPU), else None."""
@@ -96,8 +100,7 @@ class WeightedSums:
             # value is a python float, and must reduce to what the tensor it was read from does). On the CPU a
             # value is read as a python float (exact), once: a survivor mark may have read it already.
             if self.device.type == "cpu":
-                self._floats.extend(float(value) for value in self._values[len(self._floats) :])
-                values = torch.tensor(self._floats, dtype=torch.float64)
+                values = torch.tensor(self._read(), dtype=torch.float64)
             else:
                 values = torch.stack(
                     [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self._values]
