@@ -78,13 +78,8 @@ def main() -> None:
     faults = chaos.schedule(args.seed, duration_s=duration_s, every_s=args.every_s)
     uptime_at_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"{steps} steps, {len(faults)} faults; load at start: {uptime_at_start}", file=sys.stderr, flush=True)
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
-    try:
+    with procs.cpu_burners(args.burners):
         result = run(args, steps, duration_s, faults, uptime_at_start)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
     survived = result["agent_exit_codes"] == {0: 0, 1: 0} and result["final_step"] == str(steps)
     if not (survived and result["bitwise_equal"]) or result["leftovers"] or result["not_visible"]:
         sys.exit(1)

@@ -30,8 +30,6 @@ import pathlib
 import re
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -109,13 +107,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                         help="2: the frozen rank on another node (two agents, warm restarts)")
     args = parser.parse_args()
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
-    try:
+    with procs.cpu_burners(args.burners):
         run(args)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
 
 
 def run(args: argparse.Namespace) -> None:

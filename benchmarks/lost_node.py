@@ -33,7 +33,6 @@ import os
 import pathlib
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -118,8 +117,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     rdzv_conf = dict(pair.split("=", 1) for pair in args.rdzv_conf.split(","))
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
-    try:
+    with procs.cpu_burners(args.burners):
         trials, missed = [], 0
         while len(trials) < args.trials:
             with tempfile.TemporaryDirectory() as scratch:
@@ -132,10 +130,6 @@ def main() -> None:
                         raise
                     continue
             print(f"trial {len(trials)}: {trials[-1]}", flush=True)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
     summary = {key: statistics.median(t[key] for t in trials) for key in trials[0]}
     result = {"command": " ".join(sys.argv), "rdzv_conf": rdzv_conf, "trials": trials, "missed_first_round": missed,
               "median": summary}

@@ -368,15 +368,10 @@ def main() -> None:
     if unknown:
         parser.error(f"--jobs: unknown {', '.join(unknown)}")
     started_at, started = time.time(), time.monotonic()
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
-    try:
+    with procs.cpu_burners(args.burners) as burners:
         if burners:  # the load average (a minute's) catches up with them before the first trial
             time.sleep(60)
         results = run_trials(args, jobs)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
     imports = import_cost(args.import_repeats) if args.import_repeats else {}
     summary = summarise(results)
     print(table(summary))

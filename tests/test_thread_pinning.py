@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,13 +94,8 @@ def test_one_worker_on_busy_cores_ends_bitwise_equal_to_one_on_idle_cores(tmp_pa
     # test below); the job's other 40 steps, slowed by the spinners, proved nothing more.
     short = ["train.max_steps=8"]
     idle = run_to_end(tmp_path / "idle", "idle", nproc=1, extra=short)
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(2)]
-    try:
+    with procs.cpu_burners(2):
         busy = run_to_end(tmp_path / "busy", "busy", nproc=1, extra=short)
-    finally:
-        for spinner in spinners:
-            os.kill(spinner.pid, signal.SIGKILL)
-            spinner.wait()
     assert idle["step"] == busy["step"] == "8"
     assert idle["params_sha256"] == busy["params_sha256"]
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -83,18 +81,13 @@ def test_a_rank_slow_past_the_heartbeat_staleness_under_load_is_not_taken_for_a_
     # What names a frozen peer is its heartbeat's silence, not its progress. Rank 1 stops stepping for 5 s (its
     # process runs: a long step) with two CPU-bound processes beside the job; rank 0's step is overdue from the
     # first second, so it reads rank 1's heartbeats every 0.25 s past their 3 s of staleness: they keep changing.
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(2)]
-    try:
+    with procs.cpu_burners(2):
         job = launch_watched(tmp_path, ["task.args.pause_rank=1", "task.args.pause_at_step=37"],
                              watchdog={"hang_timeout_s": 600, "heartbeat_every_s": 1})
         procs.wait_for_file(tmp_path / "trace" / "paused-rank1.pid", TIMEOUT_S, job)
         time.sleep(5)
         (tmp_path / "trace" / "paused-rank1.resume").write_text("")
         assert job.wait(TIMEOUT_S) == 0, job.output()[-4000:]
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     output = job.output()
     assert "no progress" not in output and start_steps(output) == [0], output[-4000:]
     assert_bitwise(tmp_path, reference_run, output)

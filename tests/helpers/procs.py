@@ -19,8 +19,10 @@ import os
 import pathlib
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 POLL_INTERVAL_S = 0.05
@@ -355,6 +357,19 @@ def kill_all_launched() -> None:
 
 
 atexit.register(kill_all_launched)
+
+
+@contextmanager
+def cpu_burners(count: int) -> Iterator[list[subprocess.Popen]]:
+    """``count`` CPU-bound processes (a Python busy loop each, in sessions of their own) for the block's length: a
+    loaded machine. Each is SIGKILLed by its pid and reaped as the block ends."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(count)]
+    try:
+        yield burners
+    finally:
+        for burner in burners:
+            os.kill(burner.pid, signal.SIGKILL)
+            burner.wait()
 
 
 def reap_fixture() -> Iterator[None]:
