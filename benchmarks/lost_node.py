@@ -16,6 +16,10 @@ millisecond log lines, each trial splits the time from the kill into:
 - ``restore_s``: until its "restored snapshot" line;
 - ``total_s``: the kill to the restored world of one.
 
+``--fault agent`` SIGKILLs node 1's agent only: its worker, told by the kernel that its parent exited, stops
+the group at an agreed step with a snapshot (``detect_s`` then ends at the survivor's PREEMPTED line), and the
+survivor's agent regroups without node 1 as above.
+
 ``--burners N`` runs N CPU-bound processes beside the job; every trial records the load average at
 the kill. A trial whose first rendezvous round closed before node 1's agent joined it (node 0 then
 trains the whole short job alone, ends, and takes the store with it) measures no lost node: it is
@@ -32,6 +36,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -55,11 +60,13 @@ RDZV_CONF = {"last_call_timeout": 0.5, "keep_alive_interval": 0.25, "keep_alive_
 STAMP = r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r0 "
 LINES = {
     "lost": re.compile(STAMP + r"a0\] .*lost a peer", re.MULTILINE),
+    "stopped": re.compile(STAMP + r"a0\] INFO state \w+ -> PREEMPTED", re.MULTILINE),  # --fault agent
     # torch's agent: the worker's exit seen (its glog line: E<month><day> hh:mm:ss.micros)
     "exited": re.compile(r"^E\d{4} (\d\d):(\d\d):(\d\d)\.(\d{3})\d* .*failed \(exitcode", re.MULTILINE),
     "up": re.compile(STAMP + r"a1\] INFO state SETUP -> RESTORE", re.MULTILINE),  # the new worker set up
     "restored": re.compile(STAMP + r"a1\] INFO restored snapshot", re.MULTILINE),
 }
+KEPT = ("exited", "up", "restored")
 TIMEOUT_S = 180
 
 
@@ -73,7 +80,7 @@ class MissedFirstRound(Exception):
     """Node 1's agent reached the rendezvous after its first round had closed with node 0 alone."""
 
 
-def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object]) -> dict[str, float]:
+def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object], fault: str = "node") -> dict[str, float]:
     trace_dir = workdir / "trace"
     trace_dir.mkdir(parents=True)
     overrides = [*JOB, f"run.dir={workdir / 'run'}", f"task.args.trace_dir={trace_dir}",
@@ -91,12 +98,18 @@ def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object]) -> dict[str, floa
             raise
         load = os.getloadavg()[0]
         killed_unix = time.time()
-        nodes.kill(1)
+        if fault == "agent":
+            os.kill(nodes.agents[1].proc.pid, signal.SIGKILL)
+            (trace_dir / f"paused-rank1-call{KILL_STEP}.resume").write_text("")  # its worker goes on, an orphan
+        else:
+            nodes.kill(1)
         survivor = nodes.agents[0]
         survivor.wait_for(lambda out: LINES["restored"].search(out) is not None, TIMEOUT_S, "the world of one restored")
         assert survivor.wait(TIMEOUT_S) == 0, survivor.output()[-4000:]
         output = survivor.output()
-        found = {name: pattern.search(output) for name, pattern in LINES.items()}
+        detected = "stopped" if fault == "agent" else "lost"
+        found = {name: pattern.search(output) for name, pattern in LINES.items() if name in (detected, *KEPT)}
+        found["lost"] = found.pop(detected)
         missing = [name for name, match in found.items() if match is None]
         assert not missing, f"no {missing} line in the survivor's output:\n{output[-6000:]}"
         at = {name: line_unix(match, killed_unix) for name, match in found.items() if match is not None}
@@ -112,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--burners", type=int, default=0, help="CPU-bound processes beside the job")
+    parser.add_argument("--fault", choices=("node", "agent"), default="node",
+                        help="SIGKILL node 1's agent and worker (node), or its agent only (agent)")
     parser.add_argument("--rdzv-conf", default=",".join(f"{k}={v}" for k, v in RDZV_CONF.items()),
                         help="torchrun's --rdzv-conf for both agents (default: the elastic recipe's)")
     parser.add_argument("--out", type=pathlib.Path)
@@ -122,7 +137,7 @@ def main() -> None:
         while len(trials) < args.trials:
             with tempfile.TemporaryDirectory() as scratch:
                 try:
-                    trials.append(trial(pathlib.Path(scratch), rdzv_conf))
+                    trials.append(trial(pathlib.Path(scratch), rdzv_conf, args.fault))
                 except MissedFirstRound:
                     missed += 1
                     print("node 1 missed the first round: node 0 trained alone; run again", flush=True)
@@ -131,7 +146,7 @@ def main() -> None:
                     continue
             print(f"trial {len(trials)}: {trials[-1]}", flush=True)
     summary = {key: statistics.median(t[key] for t in trials) for key in trials[0]}
-    result = {"command": " ".join(sys.argv), "rdzv_conf": rdzv_conf, "trials": trials, "missed_first_round": missed,
+    result = {"command": " ".join(sys.argv), "fault": args.fault, "rdzv_conf": rdzv_conf, "trials": trials, "missed_first_round": missed,
               "median": summary}
     print(json.dumps(result["median"]))
     if args.out:

@@ -352,3 +352,47 @@ def test_a_survivor_copy_whose_other_node_is_lost_is_passed_over_for_an_older_co
     assert timed < copied and start_steps(output)[0] == 0 and start_steps(output)[-1] == timed, events
     assert parse_job(output).summary["params_sha256"] == parse_job(unbroken.output()).summary["params_sha256"]
     assert nodes.leftover_pids() == []
+
+
+def test_a_node_whose_agent_alone_is_sigkilled_stops_the_group_with_a_snapshot_and_the_other_node_goes_on(tmp_path):
+    """A torchrun agent SIGKILLed alone leaves its workers orphans that nothing restarts or signals again.
+
+    The kernel signals the process torchrun started when its agent exits (``core/signals.py``). Here node 1
+    joins a running job, so its first worker is a warm child and the process torchrun started is its client,
+    which forwards the SIGTERM. The group stops at an agreed step with a snapshot, node 0's agent regroups
+    alone and restores that step (no step lost), and the job trains to its end. Without it the orphan
+    trained on with node 0 to the end, and node 0's agent then waited 300 s in torch's exit barrier for the
+    dead agent.
+    """
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    join_call, kill_call = 10, 5  # rank 0 alone waits in its 10th call for node 1; rank 1 in its 5th for the kill
+    overrides = [*JOB, f"run.dir={tmp_path / 'run'}", f"task.args.trace_dir={trace}",
+                 f"task.args.pauses=[[0,{join_call}],[1,{kill_call}]]", "train.grad_accum_steps=2"]  # 32 a step
+    nodes = NodeGroup(tmp_path, [*WARM, "-m", "elastictrain", "train", *overrides], nnodes="1:2", rdzv_conf=RDZV_CONF,
+                      env=ENV)
+    nodes.launch(0, host_store=True)
+    procs.wait_for_file(trace / f"paused-rank0-call{join_call}.pid", TIMEOUT_S, nodes.agents[0])
+    survivor = nodes.agents[0]
+    survivor_pid = procs.torchrun_worker(survivor.proc.pid, 0)
+    nodes.launch(1, host_store=False)
+    survivor.wait_for(lambda text: f"Sending process {survivor_pid} closing signal SIGTERM" in text, TIMEOUT_S,
+                      "node 0's agent to stop its worker for the joining node")
+    (trace / f"paused-rank0-call{join_call}.resume").touch()
+    procs.wait_for_file(trace / f"paused-rank1-call{kill_call}.pid", TIMEOUT_S, nodes.agents[1])
+    nodes.agents[1].refresh()  # node 1's worker pids, to check below that none is left once its agent is gone
+    os.kill(nodes.agents[1].proc.pid, signal.SIGKILL)
+    (trace / f"paused-rank1-call{kill_call}.resume").touch()
+
+    assert survivor.wait(TIMEOUT_S) == 0, story(survivor.output())
+    joined = nodes.agents[1].output()
+    assert "started warm, forked from the preloaded interpreter" in joined, joined[-3000:]
+    assert "the torchrun agent exited: SIGTERM to the worker" in joined, joined[-3000:]
+    (world, _, stopped), (_, grown_at, preempted), (alone, restored_at, _) = attempts(tmp_path)
+    assert (world, stopped, preempted, alone) == (1, 1, 1, 1), attempts(tmp_path)
+    assert restored_at > grown_at, "the world of one restored the step the group stopped at"
+    output = survivor.output()
+    assert f"preempted at step {restored_at}: snapshot committed" in output, story(output)
+    summary = parse_job(output).summary
+    assert (summary["state"], summary["world_size"], summary["step"]) == ("DONE", "1", str(STEPS))
+    assert nodes.leftover_pids() == []

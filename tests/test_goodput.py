@@ -241,3 +241,28 @@ def test_an_attempt_that_ends_writes_the_step_it_reached_and_a_rollback_the_step
     assert tcp_store.get(HIGH_WATER_KEY) == b"50"
     play(second, clock, [(1.5, "stepped", 46)])
     assert tcp_store.get(HIGH_WATER_KEY) == b"53", "the replay's step 46: the mark is the step rolled back from"
+
+
+class GoneStore:
+    """The launcher's store after its agent exited: every write fails (torch: a broken pipe, with a warning)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def check(self, keys) -> bool:
+        return False
+
+    def set(self, key, value) -> None:
+        self.writes += 1
+        raise tdist.DistNetworkError("Broken pipe")
+
+
+def test_a_store_gone_with_its_agent_stops_the_high_water_writes_and_the_counting_goes_on():
+    clock, store = FakeClock(), GoneStore()
+    goodput = Goodput(clock=clock, process_age_s=lambda: 0.0)
+    goodput.started(run_info(store=store))
+    play(goodput, clock, [(0.0, "transition", S.SETUP, S.RESTORE, 0), (0.0, "transition", S.RESTORE, S.TRAIN, 0),
+                          (1.0, "trained", interval(25)), (2.0, "stepped", 30), (1.0, "trained", interval(50)),
+                          (0.0, "closed")])
+    assert store.writes == 1, "one failed write, then none"
+    assert goodput.seconds_by_cause()["productive"] == pytest.approx(1.0 + 2.0 + 1.0)

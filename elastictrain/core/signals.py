@@ -5,6 +5,14 @@ by default) with one that only records which signal came. The loop reads ``reque
 step boundary and puts it into the per-step vote, so every rank agrees on the same step to stop
 at; rank 0 then commits a snapshot and the workers exit with ``PREEMPTED_EXIT_CODE``.
 
+Under torchrun the launcher's exit counts as the first of those signals too: ``install`` asks the kernel for
+``LAUNCHER_EXIT_SIGNAL`` when the parent (the agent) exits (``PR_SET_PDEATHSIG``). A worker whose agent was
+SIGKILLed would otherwise train on as an orphan that nothing restarts or signals again, and hold the other
+nodes' agents at the job's end (torch's exit barrier waits 300 s for it); instead the group stops at an agreed
+step with a snapshot, as for a preemption of that node, and the other nodes go on without it. A warm-started
+worker's parent is the node's preloaded server, not the agent: its client, the process torchrun started, is
+the one tied to the agent, and forwards the signal (``launcher/warmstart.py``).
+
 Nothing is done inside the handler itself: a second signal while the snapshot is being written
 is recorded and otherwise ignored, so it cannot tear the write. The launcher's own deadline
 (torchrun's ``--shutdown-timeout``, SLURM's ``KillWait``, Kubernetes'
@@ -23,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from elastictrain.core.logs import flush_standard_streams
+from elastictrain.core.processes import parent_death_signal
 
 log = logging.getLogger("elastictrain")
 
@@ -32,6 +41,12 @@ log = logging.getLogger("elastictrain")
 # 128-255 as retryable: every launcher does what it would do for a terminated job, but
 # nothing is lost.
 PREEMPTED_EXIT_CODE = 143
+# Set in a worker the warm-start server forked (launcher/warm_server.py): its parent is that server, not the agent.
+WARM_CHILD_ENV = "ELASTICTRAIN_WARM_CHILD"
+# What the kernel sends a worker torchrun started when its agent exits: a real-time signal no launcher sends, so
+# that it is told from the launcher's SIGTERM. The kernel sends it as each of the agent's threads ends (the first
+# while the agent is still the worker's parent); it counts once.
+LAUNCHER_EXIT_SIGNAL: int | None = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
 
 
 class Preempted(SystemExit):
@@ -81,6 +96,8 @@ class PreemptionSignals:
         self.repeats = 0  # further signals after the first, reported once the loop can log
         self._previous: dict[int, Any] = {}
         self._ends_at_once = False
+        self._previous_parent_signal: int | None = None
+        self.launcher_gone = False  # the launcher exited (LAUNCHER_EXIT_SIGNAL came)
 
     def install(self, setting_up: bool = False) -> None:
         self._ends_at_once = setting_up
@@ -92,12 +109,19 @@ class PreemptionSignals:
         for name in self.names:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._handle)
+        under_agent = "TORCHELASTIC_RUN_ID" in os.environ and WARM_CHILD_ENV not in os.environ
+        if self.names and under_agent and LAUNCHER_EXIT_SIGNAL is not None:
+            self._previous[LAUNCHER_EXIT_SIGNAL] = signal.signal(LAUNCHER_EXIT_SIGNAL, self._launcher_exited)
+            self._previous_parent_signal = parent_death_signal(LAUNCHER_EXIT_SIGNAL)
 
     def hold(self) -> None:
         """From now on a signal is only recorded, for the loop to stop at an agreed step with a snapshot."""
         self._ends_at_once = False
 
     def uninstall(self) -> None:
+        if self._previous_parent_signal is not None:
+            parent_death_signal(self._previous_parent_signal)
+            self._previous_parent_signal = None
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
@@ -113,6 +137,11 @@ class PreemptionSignals:
         if self.requested is not None and not self._previous:
             flush_standard_streams()
             signal.raise_signal(getattr(signal, self.requested))
+
+    def _launcher_exited(self, signum: int, frame: Any) -> None:
+        if not self.launcher_gone:
+            self.launcher_gone = True
+            self._handle(getattr(signal, "SIGTERM" if "SIGTERM" in self.names else self.names[0]), frame)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is None:

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from elastictrain.core.signals import WARM_CHILD_ENV
 from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 
 # ---- the server: one per node, agent and environment ------------------------------------------
@@ -145,6 +146,7 @@ def run_child(job: ChildJob) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[WARM_CHILD_ENV] = str(job.server_pid)  # its parent: the client answers for the agent's exit
     if "random" in sys.modules:
         sys.modules["random"].seed()
     threading.Thread(

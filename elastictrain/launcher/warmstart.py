@@ -24,6 +24,9 @@ How. The process torchrun starts is a thin client: this module, standard library
 - **The client stays.** It is the process torchrun watches. It forwards every signal torchrun
   sends to the child (a SIGTERM to a stopped child as SIGKILL: it could not act on it), and exits
   as the child did: the same code, or the same signal.
+- **The client answers for the agent's exit.** It asks the kernel for a signal when the agent exits
+  (``PR_SET_PDEATHSIG``) and sends the child a SIGTERM: a child whose agent was SIGKILLed stops at
+  an agreed step with a snapshot, as a worker torchrun started itself does (``core/signals.py``).
 - **The child dies with its client.** A thread of the child waits on the connection. When the
   client's end closes (the client SIGKILLed, say), the child kills itself with SIGKILL. So
   killing the process torchrun started does what it did before.
@@ -59,7 +62,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from elastictrain.core.processes import stopped_pids
+from elastictrain.core.processes import parent_death_signal, stopped_pids
+from elastictrain.core.signals import LAUNCHER_EXIT_SIGNAL
 from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
 from elastictrain.launcher.warm_server import ChildJob, cuda_initialized, run_child, run_target, serve
 
@@ -330,7 +334,7 @@ def preload(names: tuple[str, ...]) -> bool:
 
 
 def _run_warm(connection: socket.socket, target: Target) -> None:
-    child: dict[str, Any] = {"pid": None, "pending": []}
+    child: dict[str, Any] = {"pid": None, "pending": [], "agent_gone": False}
 
     def forward(signum: int, _frame: object) -> None:
         if child["pid"] is None:
@@ -343,8 +347,17 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
             except ProcessLookupError:
                 pass
 
+    def agent_exited(_signum: int, frame: object) -> None:  # the kernel sends it once per agent thread that ends
+        if not child["agent_gone"]:
+            child["agent_gone"] = True
+            say("the torchrun agent exited: SIGTERM to the worker, which stops at an agreed step with a snapshot")
+            forward(signal.SIGTERM, frame)
+
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
+    if LAUNCHER_EXIT_SIGNAL is not None:  # the worker's own parent is the server: this client answers for the agent
+        signal.signal(LAUNCHER_EXIT_SIGNAL, agent_exited)
+        parent_death_signal(LAUNCHER_EXIT_SIGNAL)
     streams = {
         "line_buffering": bool(getattr(sys.stdout, "line_buffering", False)),
         "write_through": bool(getattr(sys.stdout, "write_through", False)),
@@ -372,6 +385,7 @@ def _run_warm(connection: socket.socket, target: Target) -> None:
         connection.close()
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
+        parent_death_signal(0)  # the cold worker asks for its own (core/signals.py)
         for signum in child["pending"]:  # torchrun already asked this worker to stop
             os.kill(os.getpid(), signum)
         say("this start runs cold")

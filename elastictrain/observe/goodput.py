@@ -74,6 +74,7 @@ class Goodput(Observer):
         self._step = 0  # global step at self._since
         self._high_water_step = 0  # steps up to here were already trained by an earlier attempt
         self._high_water_written = 0  # rank 0: the highest step it has put in the store
+        self._store_gone = False  # rank 0: a write failed (the agent hosting the store exited)
         self._high_water_written_at = clock()
         self._pending_restart_s: float | None = None  # process start -> first transition, until we know it counts
         self._restart_counted = False
@@ -124,10 +125,7 @@ class Goodput(Observer):
                 self._close_interval(self._clock(), self._step)
                 self._state = State.FAILED
         _last_closed_unix = time.time()
-        try:  # the step this attempt reached, for the next one's recompute (a lost peer's restart above all)
-            self._write_high_water(self._step)
-        except Exception as error:  # the launcher's store gone with its host: the next attempt counts less
-            log.debug("goodput: the high-water step was not written at the end: %s", error)
+        self._write_high_water(self._step)  # the step this attempt reached, for the next one's recompute
 
     # -- results ----------------------------------------------------------------------------
 
@@ -163,12 +161,17 @@ class Goodput(Observer):
 
     def _write_high_water(self, step: int) -> None:
         info = self._info
-        if info is None or info.rank != 0 or info.store is None:  # only rank 0 writes the store
+        if info is None or info.rank != 0 or info.store is None or self._store_gone:  # only rank 0 writes the store
             return
         self._high_water_written_at = self._clock()
         step = max(step, self._high_water_step)  # a rollback's replay starts below the step it rolled back from
         if step > self._high_water_written:
-            info.store.set(HIGH_WATER_KEY, str(step))
+            try:
+                info.store.set(HIGH_WATER_KEY, str(step))
+            except Exception as error:  # the launcher's store gone with its agent: the next attempt counts less
+                log.debug("goodput: the high-water step is no longer written: %s", error)
+                self._store_gone = True  # not tried again: each failed set() costs torch a warning with a stack
+                return
             self._high_water_written = step
 
     def _close_interval(self, now: float, step: int) -> None:

@@ -79,9 +79,12 @@ class Health:
         if self.signals.requested is None or self._announced:
             return
         self._announced = True
+        # An agent SIGKILLed leaves its workers orphans that nothing would restart: its exit signals them (signals.py).
+        got = "'s torchrun agent exited, its signal" if self.signals.launcher_gone else " received"
         log.warning(
-            "rank %d received %s at step %d: every rank stops at the next agreed step, snapshots it and exits %d",
+            "rank %d%s %s at step %d: every rank stops at the next agreed step, snapshots it and exits %d",
             self.ctx.rank,
+            got,
             self.signals.requested,
             step,
             PREEMPTED_EXIT_CODE,

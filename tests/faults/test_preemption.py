@@ -83,6 +83,30 @@ def test_sigterm_to_the_torchrun_agent_snapshots_the_current_step_and_the_relaun
     assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, again.output(), stopped)
 
 
+def test_sigkill_to_the_torchrun_agent_stops_its_orphaned_workers_with_a_snapshot_and_the_relaunch_loses_nothing(
+        tmp_path, reference_run):
+    """The workers torchrun started directly (no warm start) ask the kernel for a SIGTERM when the agent exits."""
+    same_command = ["task.args.pause_rank=0", "task.args.pause_at_step=37"]
+    job = launch_job(tmp_path, "first", same_command, warmstart=False)
+
+    def kill_agent(worker_pid: int) -> None:
+        job.refresh()  # the workers' pids: orphans once the agent is gone
+        os.kill(job.proc.pid, signal.SIGKILL)
+
+    pause_then(tmp_path, job, 0, kill_agent)
+    assert job.proc.wait(TIMEOUT_S) == -signal.SIGKILL
+    assert procs.still_running(job.leftover_pids, TIMEOUT_S) == [], "an orphaned worker trained on"
+    output = job.output()
+    stopped = preempted_step(output, 37)
+    assert re.search(r"rank 0's torchrun agent exited, its signal SIGTERM at step 3[78]:", output), output[-3000:]
+    assert SnapshotStore(str(tmp_path / "run" / "snapshots")).latest_valid()[0].step == stopped
+
+    again = launch_job(tmp_path, "second", same_command)
+    assert again.wait(TIMEOUT_S) == 0, again.output()[-4000:]
+    assert start_steps(again.output()) == [stopped]
+    assert_zero_lost_steps_and_bitwise(tmp_path, reference_run, again.output(), stopped)
+
+
 def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_restarts_with_nothing_lost(tmp_path, reference_run):
     # Snapshots written in the background: the preemption snapshot is waited for before exit 143.
     job = launch_job(tmp_path, "job", ["task.args.pause_rank=1", "task.args.pause_at_step=61", "snapshot.durable.async_write=true"])
