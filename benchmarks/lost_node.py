@@ -58,15 +58,18 @@ JOB = [
 ]
 RDZV_CONF = {"last_call_timeout": 0.5, "keep_alive_interval": 0.25, "keep_alive_max_attempt": 6}
 STAMP = r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r0 "
+# The survivor's first sign of the fault: its collective failed (the node SIGKILLed), or the group's agreed stop
+# (its agent alone SIGKILLed, its worker told by the kernel).
+DETECTED = {
+    "node": re.compile(STAMP + r"a0\] .*lost a peer", re.MULTILINE),
+    "agent": re.compile(STAMP + r"a0\] INFO state \w+ -> PREEMPTED", re.MULTILINE),
+}
 LINES = {
-    "lost": re.compile(STAMP + r"a0\] .*lost a peer", re.MULTILINE),
-    "stopped": re.compile(STAMP + r"a0\] INFO state \w+ -> PREEMPTED", re.MULTILINE),  # --fault agent
     # torch's agent: the worker's exit seen (its glog line: E<month><day> hh:mm:ss.micros)
     "exited": re.compile(r"^E\d{4} (\d\d):(\d\d):(\d\d)\.(\d{3})\d* .*failed \(exitcode", re.MULTILINE),
     "up": re.compile(STAMP + r"a1\] INFO state SETUP -> RESTORE", re.MULTILINE),  # the new worker set up
     "restored": re.compile(STAMP + r"a1\] INFO restored snapshot", re.MULTILINE),
 }
-KEPT = ("exited", "up", "restored")
 TIMEOUT_S = 180
 
 
@@ -107,9 +110,7 @@ def trial(workdir: pathlib.Path, rdzv_conf: dict[str, object], fault: str = "nod
         survivor.wait_for(lambda out: LINES["restored"].search(out) is not None, TIMEOUT_S, "the world of one restored")
         assert survivor.wait(TIMEOUT_S) == 0, survivor.output()[-4000:]
         output = survivor.output()
-        detected = "stopped" if fault == "agent" else "lost"
-        found = {name: pattern.search(output) for name, pattern in LINES.items() if name in (detected, *KEPT)}
-        found["lost"] = found.pop(detected)
+        found = {name: pattern.search(output) for name, pattern in {"lost": DETECTED[fault], **LINES}.items()}
         missing = [name for name, match in found.items() if match is None]
         assert not missing, f"no {missing} line in the survivor's output:\n{output[-6000:]}"
         at = {name: line_unix(match, killed_unix) for name, match in found.items() if match is not None}

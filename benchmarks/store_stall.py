@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import pathlib
-import re
 import signal
 import statistics
 import sys
@@ -26,16 +25,10 @@ import tempfile
 import time
 
 from tests.helpers import procs
+from tests.helpers.chaos import STEP_LINE, step_times
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 JOB = ["train.max_epochs=60", "train.log_every_steps=20", "log.progress_bar=false", "log.plots=false"]
-STEP_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \[elastictrain r0 a0\] INFO step (\d+) epoch", re.MULTILINE)
-
-
-def unix_of(match: re.Match, near_unix: float) -> float:
-    day = datetime.datetime.fromtimestamp(near_unix)
-    hours, minutes, seconds, millis = (int(group) for group in match.groups()[:4])
-    return day.replace(hour=hours, minute=minutes, second=seconds, microsecond=millis * 1000).timestamp()
 
 
 def trial(workdir: pathlib.Path, stall_s: float) -> dict:
@@ -56,7 +49,7 @@ def trial(workdir: pathlib.Path, stall_s: float) -> dict:
     finally:
         procs.kill_all_launched()
     output = job.output()
-    lines = [(unix_of(m, stopped), int(m.group(5))) for m in STEP_LINE.finditer(output)]
+    lines = step_times(output, datetime.date.fromtimestamp(stopped))
     gaps = [(b[0] - a[0], a[0], b[0]) for a, b in zip(lines, lines[1:], strict=False)]
     during = [gap for gap, start, end in gaps if end > stopped and start < resumed]
     outside = [gap for gap, start, end in gaps if end <= stopped or start >= resumed]
