@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from elastictrain.launcher.warmstart import process_started_unix  # standard library only: torch is not imported yet
+from elastictrain.launcher.warm_client import process_started_unix  # standard library only: torch is not imported yet
 
 CREATED_UNIX = process_started_unix()  # before torch is imported: the import is part of a restart's cost
 

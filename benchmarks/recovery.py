@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 
-from elastictrain.launcher.warmstart import process_started_unix
+from elastictrain.launcher.warm_client import process_started_unix
 from tests.helpers import procs
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -56,7 +56,7 @@ def run_python(code: str, *args: str, env: dict | None = None) -> subprocess.Com
 ])
 def test_the_client_ends_as_its_child_ended(status, returncode):
     # What torchrun sees of a warm worker is the client: a child's exit code or signal must reach it unchanged.
-    ended = run_python(f"from elastictrain.launcher.warmstart import exit_like; exit_like({int(status)})")
+    ended = run_python(f"from elastictrain.launcher.warm_client import exit_like; exit_like({int(status)})")
     assert ended.returncode == returncode, ended.stderr
 
 

@@ -8,7 +8,7 @@ imports) before it trains: about 2.4 s of a 3 s restart on 2 CPU cores. Put
     torchrun --nproc-per-node=2 ... -m elastictrain.launcher.warmstart train.py --lr 0.1
     torchrun --nproc-per-node=2 ... -m elastictrain.launcher.warmstart -m elastictrain train
 
-How. The process torchrun starts is a thin client: this module, standard library only.
+How. The process torchrun starts is a thin client: this module and ``warm_client.py``, standard library only.
 
 - **First start of a job on a node.** No server exists yet. Local rank 0 imports what the server
   preloads (torch, torch.distributed, torch._dynamo, elastictrain.train.trainer and ``--preload``), imports
@@ -53,22 +53,18 @@ import hashlib
 import importlib
 import json
 import os
-import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from elastictrain.core.processes import parent_death_signal, stopped_pids
-from elastictrain.core.signals import LAUNCHER_EXIT_SIGNAL
-from elastictrain.launcher.warm_protocol import REQUEST_TIMEOUT_S, peer_uid, receive_message, say, send_message
+from elastictrain.launcher.warm_client import connect, run_warm
+from elastictrain.launcher.warm_protocol import say
 from elastictrain.launcher.warm_server import ChildJob, cuda_initialized, run_child, run_target, serve
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastictrain.train.trainer")
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH_", "CUDA_")
 USAGE = (
     "give the script to run (or -m MODULE) and its arguments after it, "
@@ -165,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ or not hasattr(os, "pidfd_open"):
         run_cold(target)  # not under torchrun (no agent to tie a server to), or no pidfds: plain start
     base = server_base(target, os.getppid())
-    connection = _connect(base + ".sock")
-    if connection is not None:
-        _run_warm(connection, target)
+    connection = connect(base + ".sock")
+    if connection is not None:  # it returns only if no child started: then this start runs cold
+        run_warm(connection, target.module, target.script, target.args)
+        run_cold(target)
     if os.environ.get("LOCAL_RANK", "0") != "0":  # local rank 0 forks the server; the others need not wait for it
         say("this start runs cold: local rank 0 forks the preloaded interpreter")
         run_cold(target)
@@ -191,7 +188,7 @@ def prepare(argv: list[str]) -> NoReturn:
         say("--prepare: " + (USAGE if target is None else "no pidfds here: the node's first start runs cold"))
         os._exit(2 if target is None else 1)
     base = server_base(target, os.getppid())
-    connection = _connect(base + ".sock")
+    connection = connect(base + ".sock")
     if connection is not None:  # a server of this agent already answers
         connection.close()
         os._exit(0)
@@ -208,20 +205,6 @@ def prepare(argv: list[str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if os.path.exists(base + ".sock") else 1)
-
-
-def _connect(path: str) -> socket.socket | None:
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        connection.connect(path)
-    except OSError:  # no server yet, or a stale socket of one that died
-        connection.close()
-        return None
-    if peer_uid(connection) != os.getuid():  # never hand the environment to another user's process
-        connection.close()
-        say(f"{path} is served by another user: this start runs cold")
-        return None
-    return connection
 
 
 SERVED = object()  # what _start_server returns in the server once it is done serving
@@ -331,96 +314,6 @@ def preload(names: tuple[str, ...]) -> bool:
         except Exception as error:  # noqa: BLE001 - a probe that fails here fails in the child too, and says so there
             say(f"warming up MKL's report failed ({type(error).__name__}: {error})")
     return True
-
-
-def _run_warm(connection: socket.socket, target: Target) -> None:
-    child: dict[str, Any] = {"pid": None, "pending": [], "agent_gone": False}
-
-    def forward(signum: int, _frame: object) -> None:
-        if child["pid"] is None:
-            child["pending"].append(signum)
-        else:
-            # A stopped (frozen) child cannot act on SIGTERM, and torchrun waits 30 s before its SIGKILL.
-            stopped = signum == signal.SIGTERM and stopped_pids([child["pid"]])
-            try:
-                os.kill(child["pid"], signal.SIGKILL if stopped else signum)
-            except ProcessLookupError:
-                pass
-
-    def agent_exited(_signum: int, frame: object) -> None:  # the kernel sends it once per agent thread that ends
-        if not child["agent_gone"]:
-            child["agent_gone"] = True
-            say("the torchrun agent exited: SIGTERM to the worker, which stops at an agreed step with a snapshot")
-            forward(signal.SIGTERM, frame)
-
-    for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, forward)
-    if LAUNCHER_EXIT_SIGNAL is not None:  # the worker's own parent is the server: this client answers for the agent
-        signal.signal(LAUNCHER_EXIT_SIGNAL, agent_exited)
-        parent_death_signal(LAUNCHER_EXIT_SIGNAL)
-    streams = {
-        "line_buffering": bool(getattr(sys.stdout, "line_buffering", False)),
-        "write_through": bool(getattr(sys.stdout, "write_through", False)),
-    }
-    request = {
-        "module": target.module,
-        "script": target.script,
-        "args": list(target.args),
-        "cwd": os.getcwd(),
-        "env": dict(os.environ),
-        "streams": streams,
-        "client_started": process_started_unix(),
-    }
-    try:
-        connection.settimeout(REQUEST_TIMEOUT_S)
-        send_message(connection, request, [0, 1, 2])
-        started, _ = receive_message(connection)
-        connection.settimeout(None)
-    except OSError as error:
-        started = None
-        say(f"the preloaded interpreter did not answer ({error})")
-    if not started or "pid" not in started:  # nothing runs yet: start cold instead, with the signals back as they were
-        if started:
-            say(f"the preloaded interpreter refused to fork ({started['cold']})")
-        connection.close()
-        for signum in FORWARDED_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
-        parent_death_signal(0)  # the cold worker asks for its own (core/signals.py)
-        for signum in child["pending"]:  # torchrun already asked this worker to stop
-            os.kill(os.getpid(), signum)
-        say("this start runs cold")
-        run_cold(target)
-    child["pid"] = started["pid"]
-    for signum in child["pending"]:
-        os.kill(child["pid"], signum)
-    ended, _ = receive_message(connection)
-    if ended is None:  # the server went away (its agent exited): nobody reads this status
-        os._exit(1)
-    exit_like(ended["status"])
-
-
-def process_started_unix(pid: int | str = "self") -> float:
-    """When process ``pid`` was created (fork or exec), as a unix time: field 22 of /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as stat_file:
-        raw = stat_file.read().decode()
-    start_ticks = int(raw[raw.rfind(")") + 2 :].split()[19])
-    age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - age_s
-
-
-def exit_like(status: int) -> None:
-    """End this process as the one with wait status ``status`` ended: the same signal, or the same code."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.WIFSIGNALED(status):
-        signum = os.WTERMSIG(status)
-        if signum not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-        os.kill(os.getpid(), signum)
-        time.sleep(5)  # a signal whose default is not to end the process: end with its shell code
-        os._exit(128 + signum)
-    os._exit(os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":
